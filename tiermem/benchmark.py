@@ -1,0 +1,235 @@
+"""The I/O bandwidth benchmark behind `tiermem bench io`: sequential reads and writes through the engines.
+
+Each measurement writes or reads `size` bytes of one swap extent (striped across every path) in
+requests of `block_size`, keeping `queue_depth` requests in flight, from a pool of queue_depth
+aligned buffers (no more host memory than that). Reads go around the page cache: with O_DIRECT, or,
+where a filesystem refuses it, after dropping the file's pages with posix_fadvise(DONTNEED), which
+the result records as `direct: false` and `cache: "dropped"`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiermem.io.buffers import HostBufferPool, PoolBuffer
+from tiermem.io.engine import IOEngine, available_backends, create_engine
+from tiermem.io.files import fs_of
+from tiermem.io.future import IOFuture
+from tiermem.store import Extent, SwapStore
+
+GB = 1e9
+GIB = 1 << 30
+
+Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, label)
+
+
+@dataclass
+class BenchSpec:
+    """What to measure; every combination of engines x modes x block_sizes x queue_depths."""
+
+    paths: list[str]
+    size: int
+    block_sizes: list[int]
+    queue_depths: list[int]
+    engines: list[str]
+    modes: list[str] = field(default_factory=lambda: ["write", "read"])
+    runs: int = 3
+    direct: bool = True
+    stripe_size: int | None = None  # default: the block size, so each request maps to one drive
+
+
+def system_info(paths: list[str]) -> dict[str, Any]:
+    """Kernel, filesystem, device and engine availability for the benchmark header."""
+    devices = [block_device_of(p) for p in paths]
+    return {
+        "kernel": platform.release(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "paths": [
+            {"path": p, "filesystem": fs_of(p), "device": d, "model": _device_model(d), "rotational": _rotational(d)}
+            for p, d in zip(paths, devices, strict=True)
+        ],
+        "transparent_hugepage": _read_first("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "engines": {name: (reason or "available") for name, reason in available_backends().items()},
+    }
+
+
+def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Measure every combination in `spec`; return one result dict per (engine, mode, block, depth)."""
+    for p in spec.paths:
+        os.makedirs(p, exist_ok=True)
+    results = []
+    combos = [(e, bs, qd) for e in spec.engines for bs in spec.block_sizes for qd in spec.queue_depths]
+    total = len(combos) * spec.runs * spec.size * (len(spec.modes) + (1 if "write" not in spec.modes else 0))
+    done = 0
+
+    def tick(n: int, label: str) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress(done, total, label)
+
+    for engine_name, bs, qd in combos:
+        with create_engine(engine_name, block_size=bs, queue_depth=qd) as engine, \
+                SwapStore(spec.paths, engine, stripe_size=spec.stripe_size or bs, direct=spec.direct) as store, \
+                HostBufferPool(bs * qd) as pool:
+            engine.register_buffers(pool.regions)
+            slots = [pool.alloc(bs) for _ in range(qd)]
+            for i, s in enumerate(slots):
+                s.numpy()[:] = (i * 37 + 11) & 0xFF  # not zeros: some devices shortcut zero pages
+            extent = store.allocate(spec.size)
+            devices = sorted({block_device_of(p) for p in spec.paths} - {None})  # type: ignore[arg-type]
+            if "write" not in spec.modes:  # reads need data there first; not timed
+                _stream(store, extent, slots, spec.size, bs, write=True, tick=lambda n: tick(n, "preparing"))
+                store.flush()
+            for mode in spec.modes:
+                samples, cpu, reqs = [], [], []
+                label = f"{engine_name} {mode} bs={bs >> 10}KiB qd={qd}"
+                for _ in range(spec.runs):
+                    write = mode == "write"
+                    if not write and not store.direct:
+                        store.flush()
+                        _drop_cache(store)
+                    before = disk_stats(devices)
+                    cpu0, t0 = time.process_time(), time.perf_counter()
+                    _stream(store, extent, slots, spec.size, bs, write=write, tick=lambda n: tick(n, label))
+                    if write and not store.direct:
+                        store.flush()  # buffered writes must reach the disk to count
+                    elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+                    samples.append(spec.size / elapsed / GB)
+                    cpu.append(cpu_s / (spec.size / GIB))
+                    reqs.append(_avg_request(before, disk_stats(devices), write))
+                known = [r for r in reqs if r is not None]
+                results.append({
+                    "engine": engine_name,
+                    "mode": mode,
+                    "block_size": bs,
+                    "queue_depth": qd,
+                    "bytes": spec.size,
+                    "runs": spec.runs,
+                    "gbps_mean": statistics.fmean(samples),
+                    "gbps_std": statistics.stdev(samples) if len(samples) > 1 else 0.0,
+                    "gbps_samples": samples,
+                    "cpu_seconds_per_gib": statistics.fmean(cpu),
+                    "direct": store.direct,
+                    "cache": "bypassed" if store.direct else "dropped",
+                    "avg_request_kib": statistics.fmean(known) if known else None,
+                    "paths": len(spec.paths),
+                })
+    return results
+
+
+def _stream(store: SwapStore, extent: Extent, slots: list[PoolBuffer], size: int, bs: int, *, write: bool,
+            tick: Callable[[int], None]) -> None:
+    """Move `size` bytes of the extent in `bs` requests, one per slot, keeping every slot busy."""
+    op = store.write if write else store.read
+    inflight: list[IOFuture | None] = [None] * len(slots)
+    for i, offset in enumerate(range(0, size, bs)):
+        k = i % len(slots)
+        prev = inflight[k]
+        if prev is not None:
+            tick(prev.wait())
+        inflight[k] = op(extent, slots[k].view, min(bs, size - offset), offset)
+    for f in inflight:
+        if f is not None:
+            tick(f.wait())
+
+
+def _drop_cache(store: SwapStore) -> None:
+    for f in store.files:
+        os.posix_fadvise(f.buffered_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+# -- block device statistics ----------------------------------------------------------------------
+def block_device_of(path: str) -> str | None:
+    """The /proc/diskstats name of the device holding `path` (e.g. 'vda', 'nvme0n1p2'), or None."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)  # a directory not made yet lives on its nearest ancestor's device
+    try:
+        st = os.stat(path)
+        link = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    except OSError:
+        return None
+    name = os.path.basename(link)
+    return name if os.path.exists(link) else None
+
+
+def disk_stats(devices: list[str]) -> dict[str, tuple[int, int, int, int]]:
+    """Per device: (reads completed, sectors read, writes completed, sectors written)."""
+    out: dict[str, tuple[int, int, int, int]] = {}
+    try:
+        with open("/proc/diskstats", encoding="ascii") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 10 and parts[2] in devices:
+                    out[parts[2]] = (int(parts[3]), int(parts[5]), int(parts[7]), int(parts[9]))
+    except OSError:
+        pass
+    return out
+
+
+def _avg_request(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
+                 write: bool) -> float | None:
+    """Mean request size (KiB) that reached the devices between two disk_stats snapshots."""
+    ios = sectors = 0
+    for dev, a in after.items():
+        b = before.get(dev)
+        if b is None:
+            continue
+        i = 2 if write else 0
+        ios += a[i] - b[i]
+        sectors += a[i + 1] - b[i + 1]
+    return sectors * 512 / 1024 / ios if ios > 0 else None
+
+
+@contextmanager
+def measure_requests(paths: list[str], write: bool) -> Iterator[dict[str, float | None]]:
+    """Context manager yielding a dict whose 'avg_request_kib' is filled in on exit (for peers' runs)."""
+    devices = sorted({d for d in (block_device_of(p) for p in paths) if d})
+    box: dict[str, float | None] = {"avg_request_kib": None}
+    before = disk_stats(devices)
+    yield box
+    box["avg_request_kib"] = _avg_request(before, disk_stats(devices), write)
+
+
+def _sys_block_dir(device: str | None) -> str | None:
+    if not device:
+        return None
+    d = f"/sys/class/block/{device}"
+    if os.path.exists(f"{d}/partition"):
+        d = os.path.dirname(os.path.realpath(d))
+    return d
+
+
+def _device_model(device: str | None) -> str | None:
+    d = _sys_block_dir(device)
+    if not d:
+        return None
+    model = _read_first(f"{d}/device/model")
+    if model:
+        return model
+    driver = os.path.realpath(f"{d}/device/driver") if os.path.exists(f"{d}/device/driver") else ""
+    return os.path.basename(driver) or None
+
+
+def _rotational(device: str | None) -> bool | None:
+    d = _sys_block_dir(device)
+    value = _read_first(f"{d}/queue/rotational") if d else None
+    return None if value is None else value == "1"
+
+
+def _read_first(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

@@ -1,0 +1,196 @@
+"""The I/O engine interface shared by the io_uring and threads backends, and the backend choice.
+
+An engine moves bytes between host buffers and IOFiles asynchronously. `read`/`write` split a transfer
+into chunks of at most `block_size` bytes, keep at most `queue_depth` chunks in flight, and return an
+IOFuture; errors surface from `IOFuture.wait()` as OSError naming the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from abc import ABC, abstractmethod
+from typing import Any
+
+from tiermem.errors import IOEngineError, TiermemError
+from tiermem.io.buffers import as_bytes_view, buffer_address
+from tiermem.io.files import IOFile
+from tiermem.io.future import IOFuture
+from tiermem.sizes import format_size
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("io_uring", "threads")
+DEFAULT_BLOCK_SIZE = 1 << 20
+DEFAULT_QUEUE_DEPTH = 32
+
+
+class ReadPastEndError(TiermemError, EOFError):
+    """A read asked for bytes beyond the end of the file."""
+
+
+class Chunk:
+    """One piece of a transfer, at most block_size bytes; requeued with its remainder on a short I/O."""
+
+    __slots__ = ("future", "file", "op", "address", "length", "offset", "view", "view_offset")
+
+    def __init__(self, future: IOFuture, file: IOFile, op: int, address: int, length: int, offset: int,
+                 view: memoryview, view_offset: int) -> None:
+        self.future = future
+        self.file = file
+        self.op = op  # OP_READ or OP_WRITE
+        self.address = address
+        self.length = length
+        self.offset = offset
+        self.view = view  # the caller's whole buffer, for backends that need a Python buffer
+        self.view_offset = view_offset  # where this chunk starts inside `view`
+
+    def advance(self, done: int) -> None:
+        """Drop the first `done` bytes after a short transfer, so the rest can be resubmitted."""
+        self.address += done
+        self.length -= done
+        self.offset += done
+        self.view_offset += done
+
+    def error(self, err: int) -> OSError:
+        verb = "read" if self.op == OP_READ else "write"
+        return OSError(err, f"{verb} of {self.length} bytes at offset {self.offset}: {os.strerror(err)}",
+                       self.file.path)
+
+    def past_end(self) -> ReadPastEndError:
+        return ReadPastEndError(
+            f"{self.file.path}: read of {self.length} bytes at offset {self.offset} goes past the end of the "
+            f"file ({self.file.size()} bytes); the file is shorter than the data expected in it"
+        )
+
+
+OP_READ = 0
+OP_WRITE = 1
+
+
+class IOEngine(ABC):
+    """Asynchronous reads and writes between host buffers and files; a context manager."""
+
+    name: str = "abstract"
+
+    def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> None:
+        if block_size <= 0 or block_size % 4096:
+            raise IOEngineError(f"io.block_size: expected a positive multiple of 4096, got {block_size}")
+        if queue_depth < 1:
+            raise IOEngineError(f"io.queue_depth: expected an integer >= 1, got {queue_depth}")
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.closed = False
+
+    def read(self, file: IOFile, buf: Any, offset: int = 0, nbytes: int | None = None) -> IOFuture:
+        """Read `nbytes` (default: len(buf)) from `file` at `offset` into the start of `buf`."""
+        return self._transfer(OP_READ, file, buf, offset, nbytes)
+
+    def write(self, file: IOFile, buf: Any, offset: int = 0, nbytes: int | None = None) -> IOFuture:
+        """Write the first `nbytes` (default: all) of `buf` to `file` at `offset`."""
+        return self._transfer(OP_WRITE, file, buf, offset, nbytes)
+
+    def register_buffers(self, regions: list[tuple[int, int]]) -> bool:
+        """Offer long-lived (address, length) regions for faster I/O; True when the backend uses them."""
+        return False
+
+    def _transfer(self, op: int, file: IOFile, buf: Any, offset: int, nbytes: int | None) -> IOFuture:
+        if self.closed:
+            raise IOEngineError(f"the {self.name} engine is closed")
+        view = as_bytes_view(buf)
+        if op == OP_READ and view.readonly:
+            raise ValueError(f"{file.path}: cannot read into a read-only buffer")
+        if nbytes is None:
+            nbytes = len(view)
+        if nbytes < 0 or nbytes > len(view):
+            raise ValueError(f"{file.path}: nbytes={nbytes} does not fit the {len(view)}-byte buffer")
+        if offset < 0:
+            raise ValueError(f"{file.path}: offset must be >= 0, got {offset}")
+        base = buffer_address(view) if nbytes else 0
+        bs = self.block_size
+        count = (nbytes + bs - 1) // bs
+        future = IOFuture(nbytes, count, keepalive=view)
+        if count:
+            self._submit([
+                Chunk(future, file, op, base + pos, min(bs, nbytes - pos), offset + pos, view, pos)
+                for pos in range(0, nbytes, bs)
+            ])
+        return future
+
+    @abstractmethod
+    def _submit(self, chunks: list[Chunk]) -> None:
+        """Queue chunks; each one calls `chunk.future._chunk_done(error)` exactly once."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish what is in flight, then release the backend's resources."""
+
+    def __enter__(self) -> IOEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        return f"{self.name} (block {format_size(self.block_size)}, queue depth {self.queue_depth})"
+
+
+_probe_lock = threading.Lock()
+_probe_result: dict[str, str | None] = {}
+
+
+def available_backends() -> dict[str, str | None]:
+    """Each backend name mapped to None when usable here, else the reason it is not."""
+    from tiermem.io import _native
+
+    with _probe_lock:
+        if not _probe_result:
+            _probe_result["io_uring"] = _native.probe()
+            _probe_result["threads"] = None
+        return dict(_probe_result)
+
+
+def create_engine(backend: str = "auto", *, block_size: int = DEFAULT_BLOCK_SIZE,
+                  queue_depth: int = DEFAULT_QUEUE_DEPTH, sqpoll: bool = False) -> IOEngine:
+    """Build an engine. `backend` is 'auto' (io_uring when usable, else threads), 'io_uring' or 'threads'.
+
+    Example::
+
+        with create_engine("auto", block_size=4 << 20) as engine, IOFile(path, "rw") as f:
+            engine.write(f, buf).wait()
+    """
+    if backend not in ("auto", *BACKENDS):
+        raise IOEngineError(f"io.engine: expected one of auto, io_uring, threads, got {backend!r}")
+    reasons = available_backends()
+    if backend == "auto":
+        backend = "io_uring" if reasons["io_uring"] is None else "threads"
+        if backend == "threads":
+            _log_fallback(reasons["io_uring"])
+    elif reasons[backend] is not None:
+        raise IOEngineError(
+            f"io.engine: {backend} is not usable here: {reasons[backend]}. Set io.engine to 'auto' or 'threads'"
+        )
+    if sqpoll and backend != "io_uring":
+        raise IOEngineError("io.sqpoll: SQPOLL needs io.engine io_uring; set io.sqpoll to false")
+    if backend == "io_uring":
+        from tiermem.io.uring import UringEngine
+
+        return UringEngine(block_size=block_size, queue_depth=queue_depth, sqpoll=sqpoll)
+    from tiermem.io.threads import ThreadEngine
+
+    return ThreadEngine(block_size=block_size, queue_depth=queue_depth)
+
+
+_fallback_logged = False
+
+
+def _log_fallback(reason: str | None) -> None:
+    global _fallback_logged
+    if not _fallback_logged:
+        _fallback_logged = True
+        log.warning("io_uring is not usable (%s); tiermem uses the threads backend", reason)
+
+
+RETRYABLE = (errno.EAGAIN, errno.EINTR)

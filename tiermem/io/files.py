@@ -1,0 +1,111 @@
+"""IOFile: an open file for the engines, with O_DIRECT where the filesystem takes it.
+
+# [Note: O_DIRECT and its fallback]
+Swap files are opened with O_DIRECT so reads measure the disk and do not fill the page cache. Some
+filesystems (tmpfs, some FUSE and overlay setups) refuse O_DIRECT with EINVAL at open; then the file is
+opened buffered, a warning says so once per directory, and `IOFile.direct` is False so callers (the
+benchmark) can report it. O_DIRECT also needs the offset, length and buffer address aligned to the
+logical block size; a request that is not (an odd tail, a caller's unaligned buffer) goes through a
+second, buffered descriptor on the same file, which the kernel keeps coherent with the direct one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from tiermem.io.buffers import ALIGN
+
+log = logging.getLogger(__name__)
+
+_warned_dirs: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+class IOFile:
+    """A file opened for engine I/O; a context manager. `direct` tells whether O_DIRECT is in use."""
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "r", *, direct: bool = True,
+                 create_mode: int = 0o600) -> None:
+        if mode not in ("r", "w", "rw"):
+            raise ValueError(f"mode must be 'r', 'w' or 'rw', got {mode!r}")
+        self.path = os.fspath(path)
+        flags = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT, "rw": os.O_RDWR | os.O_CREAT}[mode]
+        flags |= os.O_CLOEXEC
+        self.mode = mode
+        self.fd = -1  # the descriptor for aligned requests (O_DIRECT when `direct`)
+        self.buffered_fd = -1  # the page-cache descriptor for unaligned requests
+        self.direct = False  # whether `fd` really is O_DIRECT
+        self.fallback_reason: str | None = None  # why O_DIRECT was asked for but is not in use
+        if direct:
+            try:
+                self.fd = os.open(self.path, flags | os.O_DIRECT, create_mode)
+                self.direct = True
+            except OSError as exc:
+                if exc.errno != 22:  # EINVAL: the filesystem refuses O_DIRECT; anything else is real
+                    raise
+                self.fallback_reason = f"{fs_of(self.path)} refuses O_DIRECT"
+                _warn_once(self.path, self.fallback_reason)
+        self.buffered_fd = os.open(self.path, flags, create_mode)
+        if self.fd < 0:
+            self.fd = self.buffered_fd
+
+    def fd_for(self, address: int, offset: int, length: int) -> int:
+        """The descriptor that can serve this request: the direct one only when it is all aligned."""
+        if self.direct and address % ALIGN == 0 and offset % ALIGN == 0 and length % ALIGN == 0:
+            return self.fd
+        return self.buffered_fd
+
+    def size(self) -> int:
+        return os.fstat(self.buffered_fd).st_size
+
+    def allocate(self, offset: int, length: int) -> None:
+        """Reserve disk blocks for [offset, offset+length) so writes cannot hit ENOSPC later."""
+        try:
+            os.posix_fallocate(self.buffered_fd, offset, length)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot reserve {length} bytes at offset {offset}: {exc.strerror}",
+                          self.path) from None
+
+    def close(self) -> None:
+        for fd in {self.fd, self.buffered_fd}:
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.buffered_fd = -1
+
+    def __enter__(self) -> IOFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"IOFile({self.path!r}, {self.mode!r}, direct={self.direct})"
+
+
+def fs_of(path: str) -> str:
+    """The filesystem type holding `path`, from /proc/self/mountinfo ('this filesystem' if unknown)."""
+    best, fstype = "", "this filesystem"
+    target = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mount_point = left.split()[4]
+                if (target == mount_point or target.startswith(mount_point.rstrip("/") + "/")) and len(
+                    mount_point
+                ) >= len(best):
+                    best, fstype = mount_point, f"the {right.split()[0]} filesystem at {mount_point}"
+    except OSError:
+        pass
+    return fstype
+
+
+def _warn_once(path: str, reason: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    with _warned_lock:
+        if directory in _warned_dirs:
+            return
+        _warned_dirs.add(directory)
+    log.warning("%s: %s; using buffered I/O there (reads may be served by the page cache)", directory, reason)

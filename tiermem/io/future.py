@@ -1,0 +1,77 @@
+"""IOFuture: the small handle every asynchronous read or write returns."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from tiermem.errors import TiermemError
+
+
+class IOTimeoutError(TiermemError, TimeoutError):
+    """wait(timeout) elapsed before the transfer finished."""
+
+
+class IOFuture:
+    """Completion of one logical transfer that may have been split into several chunks.
+
+    ``done()`` never blocks; ``wait()`` blocks until every chunk finished and re-raises the first
+    error (an OSError naming the file). ``nbytes`` is the size of the transfer.
+    """
+
+    __slots__ = ("nbytes", "_remaining", "_error", "_event", "_lock", "_callbacks", "_keepalive")
+
+    def __init__(self, nbytes: int, chunks: int, keepalive: object = None) -> None:
+        self.nbytes = nbytes
+        self._remaining = chunks  # chunks still in flight; the future completes at zero
+        self._error: BaseException | None = None  # first failure; later ones are dropped
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[IOFuture], None]] = []  # run once, on completion
+        self._keepalive = keepalive  # the caller's buffer stays alive while the kernel writes into it
+        if chunks == 0:
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until done; return the byte count or raise the transfer's error."""
+        if not self._event.wait(timeout):
+            raise IOTimeoutError(f"I/O of {self.nbytes} bytes did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.nbytes
+
+    def exception(self) -> BaseException | None:
+        """The transfer's error once done (None on success); does not block."""
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[IOFuture], None]) -> None:
+        """Call `fn(self)` when done (at once when already done), on the completing thread."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _chunk_done(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._remaining -= 1
+            if self._remaining > 0:
+                return
+            self._keepalive = None
+            callbacks, self._callbacks = self._callbacks, []
+            self._event.set()
+        for fn in callbacks:
+            fn(self)
+
+
+def gather(futures: list[IOFuture]) -> IOFuture:
+    """One future that completes when all of `futures` have, carrying the first error among them."""
+    total = IOFuture(sum(f.nbytes for f in futures), len(futures))
+    for f in futures:
+        f.add_done_callback(lambda done: total._chunk_done(done.exception()))
+    return total

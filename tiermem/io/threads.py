@@ -1,0 +1,71 @@
+"""The portable backend: a fixed pool of threads doing os.preadv / os.pwritev (which drop the GIL)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+from tiermem.io.engine import DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, OP_READ, RETRYABLE, Chunk, IOEngine
+
+MAX_THREADS = 64
+
+
+class ThreadEngine(IOEngine):
+    """queue_depth worker threads (at most 64), each serving one chunk at a time."""
+
+    name = "threads"
+
+    def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> None:
+        super().__init__(block_size=block_size, queue_depth=queue_depth)
+        self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()  # chunks waiting for a worker
+        self._workers = [
+            threading.Thread(target=self._work, name=f"tiermem-io-{i}", daemon=True)
+            for i in range(min(queue_depth, MAX_THREADS))
+        ]
+        for t in self._workers:
+            t.start()
+
+    def _submit(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            self._queue.put(chunk)
+
+    def _work(self) -> None:
+        while True:
+            chunk = self._queue.get()
+            if chunk is None:
+                return
+            try:
+                error = _serve(chunk)
+            except BaseException as exc:  # a worker must never die with a future left pending
+                error = exc
+            chunk.future._chunk_done(error)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for _ in self._workers:
+            self._queue.put(None)
+        for t in self._workers:
+            t.join()
+
+
+def _serve(chunk: Chunk) -> BaseException | None:
+    """Move the whole chunk, retrying short transfers and EAGAIN/EINTR; return the error, if any."""
+    while chunk.length:
+        fd = chunk.file.fd_for(chunk.address, chunk.offset, chunk.length)
+        piece = chunk.view[chunk.view_offset : chunk.view_offset + chunk.length]
+        try:
+            if chunk.op == OP_READ:
+                done = os.preadv(fd, [piece], chunk.offset)
+            else:
+                done = os.pwritev(fd, [piece], chunk.offset)
+        except OSError as exc:
+            if exc.errno in RETRYABLE:
+                continue
+            return chunk.error(exc.errno or 0)
+        if done == 0:
+            return chunk.past_end() if chunk.op == OP_READ else chunk.error(28)  # ENOSPC on a zero write
+        chunk.advance(done)
+    return None
