@@ -31,6 +31,8 @@ def probe() -> str | None:
     """Return None when io_uring can be used here, else the reason it cannot."""
     if lib is None:
         return IMPORT_ERROR
+    if os.environ.get("TIERMEM_DISABLE_IO_URING", "") not in ("", "0"):
+        return "disabled by the environment variable TIERMEM_DISABLE_IO_URING"
     disabled = _read_sysctl("/proc/sys/kernel/io_uring_disabled")
     if disabled == "2":
         return "io_uring is disabled by the kernel setting kernel.io_uring_disabled=2"

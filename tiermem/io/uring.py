@@ -6,6 +6,8 @@ pending deque under a lock and return at once with an IOFuture. The loop: move p
 ring up to queue depth and submit them with one system call, then block in the C core (GIL released) for
 one completion and drain every completion that is ready. A short read or write is resubmitted for its
 remainder and -EAGAIN/-EINTR are resubmitted as they were; other errors fail the chunk's future.
+With many requests in flight the loop waits for an eighth of them before refilling, so one submit
+carries several requests while the queue stays at least 7/8 full.
 While blocked, the thread must notice new work: an 8-byte read on an eventfd is kept in the ring, and a
 caller that queues work while the loop sleeps writes that eventfd, which completes the read and wakes it.
 """
@@ -209,7 +211,10 @@ class UringEngine(IOEngine):
                     if (self._pending and len(self._inflight) < self.queue_depth) or self._control:
                         continue
                     self._sleeping = True
-                got = self._ring.reap(cqes, cap, 1)
+                    # with a deep queue, wait for an eighth of it to drain so that each refill is one
+                    # submit of several requests; the queue never falls below 7/8 of its depth
+                    wait_nr = max(1, len(self._inflight) // 8)
+                got = self._ring.reap(cqes, cap, wait_nr)
                 with self._lock:
                     self._sleeping = False
                 for i in range(got):

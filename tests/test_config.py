@@ -1,0 +1,733 @@
+"""Tests for the swap-config: loading, defaults, sizes, overrides, round trip, validation, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiermem.cli import config_cmd
+from tiermem.config import (
+    Config,
+    GradsConfig,
+    IOConfig,
+    MemoryConfig,
+    NvmeConfig,
+    OptimizerConfig,
+    ParamsConfig,
+    PrefetchConfig,
+    TraceConfig,
+    WrapConfig,
+    format_config,
+    load_config,
+)
+from tiermem.errors import ConfigError, TiermemError
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+MiB = 1024**2
+GiB = 1024**3
+
+HOST_ONLY: dict[str, Any] = {
+    "params": {"tier": "cpu"},
+    "optimizer": {"tier": "cpu"},
+    "grads": {"tier": "cpu"},
+}
+
+
+def _write(path: pathlib.Path, text: str) -> str:
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def _nvme_at(directory: pathlib.Path | str, **extra: Any) -> dict[str, Any]:
+    """A mapping using the NVMe tier at `directory`, so tests do not depend on /var/tmp."""
+    return {"nvme": {"paths": [str(directory)]}, **extra}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shipped configs and defaults
+
+
+def test_configs_directory_has_the_four_documented_files() -> None:
+    """configs/ ships default, cpu, nvme and nvme-2drives."""
+    assert {p.name for p in CONFIGS} >= {
+        "default.yaml",
+        "cpu.yaml",
+        "nvme.yaml",
+        "nvme-2drives.yaml",
+    }
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: pathlib.Path) -> None:
+    """Every YAML file in configs/ passes load_config."""
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert cfg.origin == str(path)
+
+
+def test_default_yaml_equals_builtin_defaults() -> None:
+    """configs/default.yaml spells out exactly the built-in defaults."""
+    assert load_config(REPO / "configs" / "default.yaml") == load_config()
+
+
+def test_shipped_configs_mean_what_their_names_say() -> None:
+    """cpu.yaml uses no NVMe tier; nvme.yaml puts params+optimizer on NVMe; 2drives stripes two."""
+    cpu = load_config(REPO / "configs" / "cpu.yaml")
+    assert (cpu.params.tier, cpu.optimizer.tier, cpu.grads.tier) == ("cpu", "cpu", "cpu")
+    assert not cpu.uses_nvme
+    nvme = load_config(REPO / "configs" / "nvme.yaml")
+    assert (nvme.params.tier, nvme.optimizer.tier) == ("nvme", "nvme")
+    two = load_config(REPO / "configs" / "nvme-2drives.yaml")
+    assert len(two.nvme.paths) == 2
+
+
+def test_defaults_match_the_contract() -> None:
+    """load_config() with no source gives the documented default of every key."""
+    cfg = load_config()
+    assert cfg.device == "auto"
+    assert cfg.params == ParamsConfig(tier="nvme", dtype=None)
+    assert cfg.optimizer == OptimizerConfig(tier="nvme")
+    assert cfg.grads == GradsConfig(tier="cpu")
+    assert cfg.nvme.paths == ("/var/tmp/tiermem",)
+    assert (cfg.nvme.stripe_size, cfg.nvme.checksum, cfg.nvme.keep_files) == (MiB, False, False)
+    assert cfg.memory == MemoryConfig(host_budget=4 * GiB, device_budget=None)
+    assert cfg.prefetch == PrefetchConfig(depth=2, max_bytes=None)
+    assert cfg.wrap == WrapConfig(classes=(), min_unit_bytes=MiB)
+    assert cfg.io == IOConfig(engine="auto", block_size=MiB, queue_depth=32, direct=True, sqpoll=False)
+    assert cfg.trace == TraceConfig(path=None)
+    assert cfg == Config()
+    assert cfg.origin == "defaults"
+
+
+def test_empty_file_and_empty_sections_mean_defaults(tmp_path: pathlib.Path) -> None:
+    """An empty YAML file, or a section with nothing under it, takes the defaults."""
+    assert load_config(_write(tmp_path / "empty.yaml", "# nothing\n")) == Config()
+    assert load_config(_write(tmp_path / "bare.yaml", "prefetch:\nio:\n")) == Config()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("64MiB", 64 * MiB),
+        ("1.5GiB", 1536 * MiB),
+        ("1e9", 10**9),
+        (4096, 4096),
+        ("4096", 4096),
+        ("2 GB", 2 * 10**9),
+        (1e9, 10**9),
+    ],
+)
+def test_sizes_accept_human_strings(text: object, expected: int) -> None:
+    """Byte-count keys accept ints, floats and strings like 64MiB, 1.5GiB, 1e9; stored as int."""
+    cfg = load_config({"prefetch": {"max_bytes": text}})
+    assert cfg.prefetch.max_bytes == expected
+    assert type(cfg.prefetch.max_bytes) is int
+
+
+def test_sizes_from_yaml_file(tmp_path: pathlib.Path) -> None:
+    """Size strings in a YAML file (including PyYAML's string 1e9) parse to ints."""
+    path = _write(
+        tmp_path / "c.yaml",
+        "memory:\n  host_budget: 1.5GiB\n  device_budget: 1e9\nio:\n  block_size: 4096\n",
+    )
+    cfg = load_config(path)
+    assert (cfg.memory.host_budget, cfg.memory.device_budget) == (1536 * MiB, 10**9)
+    assert cfg.io.block_size == 4096
+
+
+def test_to_dict_writes_exact_human_sizes() -> None:
+    """to_dict writes sizes as exact unit strings where one divides them, else as ints."""
+    cfg = load_config(
+        {
+            "memory": {"device_budget": "1e9"},
+            "wrap": {"min_unit_bytes": 1_000_001},
+            "io": {"block_size": 12 * 4096},
+        }
+    )
+    out = cfg.to_dict()
+    assert out["memory"] == {"host_budget": "4GiB", "device_budget": "1GB"}
+    assert out["wrap"]["min_unit_bytes"] == 1_000_001
+    assert out["io"]["block_size"] == "48KiB"
+    assert out["nvme"]["paths"] == ["/var/tmp/tiermem"]
+    assert out["wrap"]["classes"] == []
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    blocks=st.integers(min_value=1, max_value=2**20),
+    budget=st.integers(min_value=1, max_value=2**44),
+)
+def test_size_round_trip_is_exact(blocks: int, budget: int) -> None:
+    """Any valid byte count survives to_dict and back unchanged."""
+    cfg = load_config({**HOST_ONLY, "io": {"block_size": blocks * 4096}, "memory": {"device_budget": budget}})
+    again = load_config(cfg.to_dict())
+    assert again.io.block_size == blocks * 4096
+    assert again.memory.device_budget == budget
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources and overrides
+
+
+def test_mapping_source_and_path_source_agree(tmp_path: pathlib.Path) -> None:
+    """A dict and a YAML file with the same content give equal configs; PathLike works too."""
+    data = {**HOST_ONLY, "prefetch": {"depth": 5}, "wrap": {"classes": ["Block"]}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    from_dict = load_config(data)
+    assert from_dict == load_config(str(path)) == load_config(path)
+    assert from_dict.wrap.classes == ("Block",)
+    assert from_dict.origin == "a mapping"
+
+
+def test_config_source_is_copied() -> None:
+    """load_config(cfg) returns an equal but independent copy, keeping the origin."""
+    cfg = load_config(REPO / "configs" / "cpu.yaml")
+    copy = load_config(cfg)
+    assert copy == cfg and copy is not cfg and copy.prefetch is not cfg.prefetch
+    copy.prefetch.depth = 9
+    assert cfg.prefetch.depth == 2
+    assert copy.origin == cfg.origin
+
+
+def test_mapping_source_is_not_mutated() -> None:
+    """Overrides never write into the caller's mapping."""
+    data: dict[str, Any] = {"prefetch": {"depth": 1}}
+    load_config(data, prefetch__depth=3)
+    assert data == {"prefetch": {"depth": 1}}
+
+
+def test_dotted_and_double_underscore_overrides_are_equivalent() -> None:
+    """**{"prefetch.depth": 4} and prefetch__depth=4 set the same key."""
+    path = REPO / "configs" / "nvme.yaml"
+    dotted = load_config(path, **{"prefetch.depth": 4})
+    keyword = load_config(path, prefetch__depth=4)
+    assert dotted.prefetch.depth == keyword.prefetch.depth == 4
+    assert dotted == keyword
+    assert "prefetch.depth=4" in keyword.origin
+
+
+def test_overrides_are_validated_like_yaml() -> None:
+    """Override values go through the same parsing and checks, so "64MiB" strings work."""
+    cfg = load_config(None, io__block_size="4MiB", **{"memory.device_budget": "64MiB"})
+    assert (cfg.io.block_size, cfg.memory.device_budget) == (4 * MiB, 64 * MiB)
+    with pytest.raises(ConfigError, match=r"^io\.queue_depth: expected an integer"):
+        load_config(None, io__queue_depth=0)
+
+
+def test_override_on_config_source_and_top_level_key() -> None:
+    """Overrides apply on top of a Config source, including top-level keys like device."""
+    base = load_config(REPO / "configs" / "cpu.yaml")
+    cfg = load_config(base, device="cuda:1", params__dtype="float16")
+    assert (cfg.device, cfg.params.dtype) == ("cuda:1", "float16")
+    assert base.device == "auto"
+
+
+def test_section_override_merges() -> None:
+    """A mapping override of a section merges into it rather than replacing it."""
+    cfg = load_config({"io": {"queue_depth": 8}}, io={"block_size": "2MiB"})
+    assert (cfg.io.queue_depth, cfg.io.block_size) == (8, 2 * MiB)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "prefix"),
+    [
+        ({"prefetch.dpeth": 4}, "prefetch.dpeth: unknown key; did you mean 'depth'?"),
+        ({"prefetch__dpeth": 4}, "prefetch.dpeth: unknown key; did you mean 'depth'?"),
+        ({"prefetch.": 4}, "prefetch.: malformed override key"),
+        ({"device.x": 1}, "device.x: unknown key; device takes a value"),
+        ({"nosuch.x": 1}, "nosuch: unknown key"),
+        (
+            {"memory.host_budget": "lots"},
+            "memory.host_budget: expected a byte count such as 4096, 1e9, 64MiB or 1.5GiB, got 'lots'",
+        ),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides: dict[str, Any], prefix: str) -> None:
+    """A bad override key or value fails with the dotted key path first."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, **overrides)
+    assert str(info.value).startswith(prefix), str(info.value)
+
+
+def test_override_into_non_mapping_section() -> None:
+    """An override below a section the source gave as a non-mapping names that section."""
+    with pytest.raises(ConfigError) as info:
+        load_config({"params": "nvme"}, params__tier="cpu")
+    assert str(info.value).startswith("params: cannot apply override params.tier"), str(info.value)
+
+
+def test_unsupported_source_type() -> None:
+    """A source that is not None, a path, a mapping or a Config is refused."""
+    with pytest.raises(ConfigError, match=r"^source: expected"):
+        load_config(42)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trip
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_format_config_round_trips_shipped_configs(path: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """format_config output loads back to an equal Config for every shipped file."""
+    cfg = load_config(path)
+    text = format_config(cfg)
+    assert load_config(_write(tmp_path / "out.yaml", text)) == cfg
+
+
+def test_format_config_round_trips_unusual_values(tmp_path: pathlib.Path) -> None:
+    """Round trip holds for non-unit sizes, class lists, cuda:N, trace paths and two drives."""
+    cfg = load_config(
+        {
+            "device": "cuda:3",
+            "params": {"dtype": "bfloat16"},
+            "nvme": {"paths": [str(tmp_path / "a"), str(tmp_path / "b")], "checksum": True},
+            "memory": {"device_budget": 123_456_789},
+            "prefetch": {"depth": 0, "max_bytes": "1e8"},
+            "wrap": {"classes": ["GPT2Block", "Embedding"], "min_unit_bytes": 0},
+            "io": {"engine": "io_uring", "sqpoll": True, "queue_depth": 4096},
+            "trace": {"path": str(tmp_path / "trace.json")},
+        }
+    )
+    text = format_config(cfg)
+    again = load_config(_write(tmp_path / "out.yaml", text))
+    assert again == cfg
+    assert load_config(cfg.to_dict()) == cfg
+
+
+def test_format_config_header_names_origin() -> None:
+    """format_config starts with one comment line saying where the config came from."""
+    path = REPO / "configs" / "nvme.yaml"
+    text = format_config(load_config(path, prefetch__depth=4))
+    first, rest = text.split("\n", 1)
+    assert first.startswith("# ") and str(path) in first and "prefetch.depth=4" in first
+    assert not rest.startswith("#")
+    assert yaml.safe_load(text)["prefetch"]["depth"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation table
+
+
+BAD_CONFIGS: list[tuple[str, dict[Any, Any], str]] = [
+    # unknown keys, with and without a close match
+    ("typo-in-section", {"prefetch": {"dpeth": 3}}, "prefetch.dpeth: unknown key; did you mean 'depth'?"),
+    ("unknown-top", {"bogus": 1}, "bogus: unknown key; expected one of device"),
+    ("typo-top", {"optimiser": {"tier": "cpu"}}, "optimiser: unknown key; did you mean 'optimizer'?"),
+    ("unknown-nested", {"nvme": {"zzz": 1}}, "nvme.zzz: unknown key; expected one of paths"),
+    ("non-string-key", {1: 2}, "1: unknown key"),
+    # sections that are not mappings
+    ("section-string", {"params": "nvme"}, "params: expected a mapping with keys tier, dtype"),
+    ("section-list", {"io": [1]}, "io: expected a mapping"),
+    # integers
+    ("qd-zero", {"io": {"queue_depth": 0}}, "io.queue_depth: expected an integer from 1 to 4096, got 0"),
+    ("qd-huge", {"io": {"queue_depth": 5000}}, "io.queue_depth: expected an integer from 1 to 4096, got 5000"),
+    ("qd-bool", {"io": {"queue_depth": True}}, "io.queue_depth: expected an integer from 1 to 4096, got a boolean"),
+    ("qd-string", {"io": {"queue_depth": "32"}}, "io.queue_depth: expected an integer from 1 to 4096, got a string"),
+    ("qd-float", {"io": {"queue_depth": 32.0}}, "io.queue_depth: expected an integer"),
+    ("depth-negative", {"prefetch": {"depth": -1}}, "prefetch.depth: expected an integer >= 0, got -1"),
+    # sizes
+    ("size-garbage", {"nvme": {"stripe_size": "lots"}}, "nvme.stripe_size: expected a byte count"),
+    (
+        "size-unaligned",
+        {"nvme": {"stripe_size": "1000"}},
+        "nvme.stripe_size: expected a multiple of 4096 bytes for direct I/O, got '1000' (1000 bytes); use 4KiB",
+    ),
+    ("size-zero", {"nvme": {"stripe_size": 0}}, "nvme.stripe_size: expected a size of at least 1 bytes, got 0"),
+    (
+        "block-unaligned",
+        {"io": {"block_size": "6KiB"}},
+        "io.block_size: expected a multiple of 4096 bytes for direct I/O, got '6KiB' (6144 bytes); use 4KiB or 8KiB",
+    ),
+    (
+        "block-bool",
+        {"io": {"block_size": True}},
+        "io.block_size: expected a byte count such as 4096, 1e9, 64MiB or 1.5GiB, got a boolean (true)",
+    ),
+    ("size-negative", {"memory": {"host_budget": -5}}, "memory.host_budget: expected a size >= 0"),
+    (
+        "size-null",
+        {"memory": {"host_budget": None}},
+        "memory.host_budget: expected a byte count such as 4096, 1e9, 64MiB or 1.5GiB, got null",
+    ),
+    ("size-fraction", {"prefetch": {"max_bytes": 1.5}}, "prefetch.max_bytes: 1.5 is not a whole number"),
+    (
+        "device-budget-zero",
+        {"memory": {"device_budget": 0}},
+        "memory.device_budget: expected a size of at least 1 bytes",
+    ),
+    ("min-unit-list", {"wrap": {"min_unit_bytes": [1]}}, "wrap.min_unit_bytes: expected a byte count"),
+    # enums
+    ("tier-bad", {"params": {"tier": "disk"}}, "params.tier: expected one of device, cpu, nvme, got 'disk'"),
+    (
+        "tier-typo",
+        {"params": {"tier": "nvm"}},
+        "params.tier: expected one of device, cpu, nvme, got 'nvm'; did you mean 'nvme'?",
+    ),
+    ("opt-device", {"optimizer": {"tier": "device"}}, "optimizer.tier: expected one of cpu, nvme"),
+    ("grads-int", {"grads": {"tier": 3}}, "grads.tier: expected one of cpu, nvme, got int 3"),
+    (
+        "dtype-alias",
+        {"params": {"dtype": "fp16"}},
+        "params.dtype: expected one of float32, bfloat16, float16, got 'fp16'; did you mean 'float16'?",
+    ),
+    ("dtype-64", {"params": {"dtype": "float64"}}, "params.dtype: expected one of"),
+    (
+        "engine-typo",
+        {"io": {"engine": "uring"}},
+        "io.engine: expected one of auto, io_uring, threads, got 'uring'; did you mean 'io_uring'?",
+    ),
+    ("device-gpu", {"device": "gpu"}, "device: expected auto, cpu, cuda or cuda:N"),
+    ("device-index", {"device": "cuda:x"}, "device: expected auto, cpu, cuda or cuda:N"),
+    ("device-negative", {"device": "cuda:-1"}, "device: expected auto, cpu, cuda or cuda:N"),
+    ("device-int", {"device": 0}, "device: expected auto, cpu, cuda or cuda:N"),
+    # booleans
+    ("bool-string", {"io": {"direct": "yes"}}, "io.direct: expected true or false, got a string 'yes'"),
+    ("bool-int", {"nvme": {"checksum": 1}}, "nvme.checksum: expected true or false, got int 1"),
+    # lists and paths
+    ("paths-string", {"nvme": {"paths": "/var/tmp/x"}}, "nvme.paths: expected a list of directories, got a string"),
+    ("paths-item", {"nvme": {"paths": [1]}}, "nvme.paths[0]: expected a non-empty string"),
+    ("paths-empty", {"nvme": {"paths": []}}, "nvme.paths: expected at least one directory"),
+    (
+        "paths-duplicate",
+        {"nvme": {"paths": ["/var/tmp/tm", "/var/tmp/tm/"]}},
+        "nvme.paths[1]: '/var/tmp/tm' is listed twice",
+    ),
+    (
+        "paths-unset-var",
+        {"nvme": {"paths": ["$TIERMEM_TEST_UNSET_VAR/x"]}},
+        "nvme.paths[0]: environment variable $TIERMEM_TEST_UNSET_VAR",
+    ),
+    (
+        "classes-string",
+        {"wrap": {"classes": "Block"}},
+        "wrap.classes: expected a list of module class names, got a string 'Block'; write [Block]",
+    ),
+    ("classes-empty-name", {"wrap": {"classes": [""]}}, "wrap.classes[0]: expected a non-empty string"),
+    ("trace-empty", {"trace": {"path": ""}}, "trace.path: expected a non-empty path string"),
+    ("trace-int", {"trace": {"path": 5}}, "trace.path: expected a non-empty path string"),
+    ("trace-dir", {"trace": {"path": "/"}}, "trace.path: expected a file path"),
+    # combination rules (docs/config.md, "Combination rules")
+    (
+        "rule-grads-nvme-opt-cpu",
+        {**HOST_ONLY, "grads": {"tier": "nvme"}},
+        "grads.tier: 'nvme' needs optimizer.tier 'nvme'",
+    ),
+    ("rule-sqpoll-threads", {"io": {"engine": "threads", "sqpoll": True}}, "io.sqpoll: true needs io.engine"),
+    (
+        "rule-host-budget",
+        {"memory": {"host_budget": "16MiB"}},
+        "memory.host_budget: expected at least io.block_size * io.queue_depth = 32MiB",
+    ),
+    (
+        "rule-window-vs-device",
+        {"memory": {"device_budget": "1GiB"}, "prefetch": {"max_bytes": "2GiB"}},
+        "prefetch.max_bytes: expected at most memory.device_budget (1GiB), got 2GiB",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "prefix"), [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_config_names_key_path(raw: dict[Any, Any], prefix: str) -> None:
+    """Each bad config raises a ConfigError (a TiermemError and ValueError) led by its key path."""
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    assert isinstance(info.value, TiermemError) and isinstance(info.value, ValueError)
+    assert str(info.value).startswith(prefix), str(info.value)
+
+
+def test_nvme_rules_do_not_apply_without_an_nvme_tier(tmp_path: pathlib.Path) -> None:
+    """With every tier off NVMe, nvme.paths may be empty or unwritable and host_budget small."""
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    cfg = load_config({**HOST_ONLY, "nvme": {"paths": [str(afile)]}, "memory": {"host_budget": "1MiB"}})
+    assert not cfg.uses_nvme
+    assert load_config({**HOST_ONLY, "nvme": {"paths": []}}).nvme.paths == ()
+
+
+def test_allowed_combinations_load(tmp_path: pathlib.Path) -> None:
+    """The combinations the rules leave open (device params, nvme grads with nvme optimizer) load."""
+    assert load_config({"params": {"tier": "device"}, "optimizer": {"tier": "cpu"}}).params.tier == "device"
+    cfg = load_config(_nvme_at(tmp_path, grads={"tier": "nvme"}))
+    assert cfg.grads.tier == "nvme"
+    assert load_config(None, io__sqpoll=True).io.sqpoll
+
+
+# ---------------------------------------------------------------------------------------------
+# Files and directories
+
+
+def test_missing_file_names_path(tmp_path: pathlib.Path) -> None:
+    """A config file that does not exist fails with its path."""
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(missing)}: config file does not exist"):
+        load_config(missing)
+
+
+def test_directory_as_file(tmp_path: pathlib.Path) -> None:
+    """A directory given as the config file is refused with its path."""
+    with pytest.raises(ConfigError, match=r"expected a YAML file, got a directory"):
+        load_config(tmp_path)
+
+
+def test_invalid_yaml_names_path_and_line(tmp_path: pathlib.Path) -> None:
+    """Broken YAML fails with path:line:column, not a yaml traceback."""
+    path = _write(tmp_path / "bad.yaml", "io:\n  queue_depth: 4\n  block_size: [1MiB\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert re.match(rf"^{re.escape(path)}:\d+:\d+: not valid YAML", message), message
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_tab_indented_yaml_is_reported(tmp_path: pathlib.Path) -> None:
+    """A tab-indented file reports the line of the tab."""
+    path = _write(tmp_path / "tab.yaml", "io:\n\tqueue_depth: 4\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}:2:"):
+        load_config(path)
+
+
+def test_duplicate_key_is_refused(tmp_path: pathlib.Path) -> None:
+    """A key given twice in one mapping fails naming both lines (PyYAML would keep the last)."""
+    path = _write(tmp_path / "dup.yaml", "prefetch:\n  depth: 1\n  depth: 2\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}:3: key 'depth' is given twice \(first on line 2\)"):
+        load_config(path)
+
+
+def test_yaml_anchors_and_merge_keys_work(tmp_path: pathlib.Path) -> None:
+    """Ordinary YAML features (anchors, merge keys) still load."""
+    path = _write(
+        tmp_path / "anchor.yaml",
+        "params: &host {tier: cpu}\noptimizer: *host\ngrads:\n  <<: *host\n",
+    )
+    cfg = load_config(path)
+    assert (cfg.params.tier, cfg.optimizer.tier, cfg.grads.tier) == ("cpu", "cpu", "cpu")
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_top_level_must_be_mapping(tmp_path: pathlib.Path, text: str) -> None:
+    """A file whose top level is not a mapping fails with the file path."""
+    path = _write(tmp_path / "top.yaml", text)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: expected a mapping of config keys"):
+        load_config(path)
+
+
+def test_missing_nvme_dir_is_fine_under_writable_parent(tmp_path: pathlib.Path) -> None:
+    """A path that does not exist yet is accepted when its nearest existing ancestor is writable."""
+    target = tmp_path / "not" / "yet" / "there"
+    cfg = load_config(_nvme_at(target))
+    assert cfg.nvme.paths == (str(target),)
+    assert not target.exists()
+
+
+def test_nvme_path_that_is_a_file(tmp_path: pathlib.Path) -> None:
+    """An nvme path that exists as a regular file is refused."""
+    afile = tmp_path / "swap"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=r"^nvme\.paths\[0\]: expected a directory, got .* which exists"):
+        load_config(_nvme_at(afile))
+
+
+def test_nvme_path_under_a_file(tmp_path: pathlib.Path) -> None:
+    """An nvme path whose nearest existing ancestor is a regular file cannot be created."""
+    afile = tmp_path / "swap"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=r"^nvme\.paths\[0\]: .* cannot be created because .* is not a directory"):
+        load_config(_nvme_at(afile / "sub" / "dir"))
+
+
+def test_second_nvme_path_is_named(tmp_path: pathlib.Path) -> None:
+    """A bad entry in a list of paths is named by its index."""
+    afile = tmp_path / "swap"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=r"^nvme\.paths\[1\]: "):
+        load_config({"nvme": {"paths": [str(tmp_path / "ok"), str(afile)]}})
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write a chmod 0500 directory; see the os.access test")
+def test_nvme_path_not_writable_chmod(tmp_path: pathlib.Path) -> None:
+    """A chmod 0500 directory (existing, or as the parent of a new one) is refused."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match=r"^nvme\.paths\[0\]: expected a writable directory"):
+            load_config(_nvme_at(locked))
+        with pytest.raises(ConfigError, match=r"^nvme\.paths\[0\]: .* cannot be created because .* is not\s+writable"):
+            load_config(_nvme_at(locked / "new"))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_nvme_path_not_writable_per_os_access(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writability is decided by os.access, so a directory it reports unwritable is refused (even as root)."""
+    locked = str(tmp_path / "locked")
+    os.mkdir(locked)
+    real_access = os.access
+
+    def fake_access(path: Any, mode: int, *args: Any, **kwargs: Any) -> bool:
+        if os.fspath(path) == locked:
+            return False
+        return real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", fake_access)
+    with pytest.raises(ConfigError, match=r"^nvme\.paths\[0\]: expected a writable directory"):
+        load_config(_nvme_at(locked))
+    with pytest.raises(ConfigError, match=r"^nvme\.paths\[0\]: .* cannot be created because .* is not writable"):
+        load_config(_nvme_at(os.path.join(locked, "new")))
+
+
+def test_paths_are_expanded_and_absolute(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvme.paths and trace.path expand ~ and $VARS and become absolute."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TIERMEM_TEST_DIR", str(tmp_path / "env"))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        {
+            "nvme": {"paths": ["~/swap", "$TIERMEM_TEST_DIR/swap", "rel/swap"]},
+            "trace": {"path": "${TIERMEM_TEST_DIR}/trace.json"},
+        }
+    )
+    assert cfg.nvme.paths == (
+        str(tmp_path / "swap"),
+        str(tmp_path / "env" / "swap"),
+        str(tmp_path / "rel" / "swap"),
+    )
+    assert cfg.trace.path == str(tmp_path / "env" / "trace.json")
+    assert isinstance(cfg.nvme.paths, tuple)
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct construction
+
+
+def test_components_check_themselves_on_construction() -> None:
+    """Building a component directly runs the same checks and normalisation as load_config."""
+    with pytest.raises(ConfigError, match=r"^io\.queue_depth: expected an integer from 1 to 4096, got 0"):
+        IOConfig(queue_depth=0)
+    nvme = NvmeConfig(paths=["/var/tmp/a"], stripe_size="2MiB")  # type: ignore[arg-type]
+    assert (nvme.paths, nvme.stripe_size) == (("/var/tmp/a",), 2 * MiB)
+
+
+def test_config_refuses_raw_mapping_sections() -> None:
+    """Config(params={...}) is refused with a pointer to load_config."""
+    with pytest.raises(ConfigError, match=r"^params: expected a ParamsConfig, got a mapping; build configs"):
+        Config(params={"tier": "cpu"})  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Docs
+
+
+def test_docs_cover_every_key() -> None:
+    """docs/config.md mentions every key by its dotted path."""
+    text = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
+
+    def paths(d: dict[str, Any], prefix: str = "") -> list[str]:
+        out: list[str] = []
+        for k, v in d.items():
+            out += paths(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+        return out
+
+    missing = [p for p in paths(Config().to_dict()) if f"`{p}`" not in text]
+    assert not missing, missing
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _cli(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tiermem")
+    subparsers = parser.add_subparsers(dest="command")
+    config_cmd.register(subparsers)
+    return parser.parse_args(argv)
+
+
+def test_cli_check_ok(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tiermem config check FILE...` prints "FILE: ok" per file and exits 0."""
+    files = [str(p) for p in CONFIGS]
+    args = _cli(["config", "check", *files])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"{f}: ok" for f in files]
+
+
+def test_cli_check_bad(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tiermem config check` prints the ConfigError to stderr and exits 2."""
+    bad = _write(tmp_path / "bad.yaml", "io:\n  queue_depth: 0\n")
+    good = str(REPO / "configs" / "cpu.yaml")
+    args = _cli(["config", "check", bad, good])
+    assert args.func(args) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"{bad}: io.queue_depth: expected an integer from 1 to 4096, got 0"
+    assert captured.out.strip() == f"{good}: ok"
+
+
+def test_cli_check_missing_file_is_not_doubled(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file-level error is printed once with the path, not prefixed twice."""
+    missing = str(tmp_path / "nope.yaml")
+    args = _cli(["config", "check", missing])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err.strip() == f"{missing}: config file does not exist; check the path"
+
+
+def test_cli_show_prints_loadable_effective_config(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tiermem config show FILE` prints the full config, which loads back equal."""
+    path = str(REPO / "configs" / "nvme.yaml")
+    args = _cli(["config", "show", path])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# tiermem config from ")
+    assert "queue_depth: 32" in out and "sqpoll: false" in out  # defaults filled in
+    assert load_config(_write(tmp_path / "shown.yaml", out)) == load_config(path)
+
+
+def test_cli_show_defaults_and_set(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tiermem config show` without FILE prints defaults; --set applies YAML-typed overrides."""
+    args = _cli(["config", "show", "--set", "prefetch.depth=4", "--set", "io.block_size=4MiB"])
+    assert args.func(args) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["prefetch"]["depth"] == 4
+    assert shown["io"]["block_size"] == "4MiB"
+
+
+def test_cli_show_bad_override(capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad --set value is reported like a bad file value, with exit status 2."""
+    args = _cli(["config", "show", "--set", "prefetch.depth=-1"])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err.startswith("prefetch.depth: expected an integer >= 0, got -1")
+
+
+def test_cli_set_needs_key_value(capsys: pytest.CaptureFixture[str]) -> None:
+    """--set without '=' is an argparse usage error."""
+    with pytest.raises(SystemExit) as info:
+        _cli(["config", "show", "--set", "prefetch.depth"])
+    assert info.value.code == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_cli_config_needs_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tiermem config` alone is a usage error naming check and show."""
+    with pytest.raises(SystemExit):
+        _cli(["config"])
+    assert "check,show" in capsys.readouterr().err
+
+
+def test_params_on_nvme_with_optimizer_on_host_is_allowed():
+    """params.tier nvme with optimizer.tier cpu loads (ZeRO-Infinity's parameter-only offload)."""
+    cfg = load_config({"params": {"tier": "nvme"}, "optimizer": {"tier": "cpu"}})
+    assert (cfg.params.tier, cfg.optimizer.tier) == ("nvme", "cpu")

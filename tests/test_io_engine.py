@@ -1,0 +1,304 @@
+"""The I/O engines: round trips, concurrency, errors and fallbacks, on real files."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tiermem.errors import IOEngineError
+from tiermem.io import engine as engine_mod
+from tiermem.io.buffers import AlignedBuffer
+from tiermem.io.engine import IOEngine, ReadPastEndError, available_backends, create_engine
+from tiermem.io.files import IOFile
+
+SIZES = [1, 511, 4096, 4097, 65536, 65536 * 3 + 123, 1 << 20, (1 << 20) + 4095]
+
+
+def _random(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_round_trip_sizes_aligned_buffers(engine: IOEngine, tmp_path, size: int) -> None:
+    """Bytes written from an aligned buffer read back bit-exact, for tails that are not 4 KiB multiples."""
+    with IOFile(tmp_path / "f.bin", "rw") as f, AlignedBuffer(size) as src, AlignedBuffer(size) as dst:
+        assert f.direct
+        src.numpy()[:size] = _random(size, size)
+        assert engine.write(f, src.view, 0, size).wait() == size
+        assert engine.read(f, dst.view, 0, size).wait() == size
+        assert np.array_equal(src.numpy()[:size], dst.numpy()[:size])
+
+
+@pytest.mark.parametrize("offset", [0, 4096, 12345, (1 << 20) - 1])
+def test_round_trip_offsets_unaligned_python_buffers(engine: IOEngine, tmp_path, offset: int) -> None:
+    """bytearray buffers at odd file offsets go through the buffered descriptor and still round-trip."""
+    data = bytearray(_random(100_003, offset).tobytes())
+    with IOFile(tmp_path / "f.bin", "rw") as f:
+        engine.write(f, data, offset).wait()
+        out = bytearray(len(data))
+        engine.read(f, out, offset).wait()
+        assert out == data
+        assert f.size() == offset + len(data)
+
+
+def test_hundreds_in_flight_complete_in_any_order(engine: IOEngine, tmp_path) -> None:
+    """400 transfers queued at once on a depth-8 engine all finish, each with its own bytes."""
+    n, piece = 400, 8192 + 17
+    blob = _random(n * piece, 7)
+    with IOFile(tmp_path / "many.bin", "rw") as f:
+        order = list(range(n))
+        random.Random(1).shuffle(order)
+        futures = [engine.write(f, blob[i * piece:(i + 1) * piece], i * piece) for i in order]
+        assert sum(fut.wait() for fut in futures) == n * piece
+        out = np.zeros_like(blob)
+        futures = [engine.read(f, out[i * piece:(i + 1) * piece], i * piece) for i in order]
+        for fut in futures:
+            fut.wait()
+        assert np.array_equal(out, blob)
+
+
+def test_several_files_and_directories_at_once(engine: IOEngine, tmp_path) -> None:
+    """Transfers to files in several directories interleave without mixing their bytes."""
+    files = []
+    for d in range(3):
+        os.mkdir(tmp_path / f"d{d}")
+        files.append(IOFile(tmp_path / f"d{d}" / "x.bin", "rw"))
+    try:
+        blobs = [_random(300_000, 100 + d) for d in range(3)]
+        futures = [engine.write(f, b) for f, b in zip(files, blobs)]
+        for fut in futures:
+            fut.wait()
+        outs = [np.zeros_like(b) for b in blobs]
+        for fut in [engine.read(f, o) for f, o in zip(files, outs)]:
+            fut.wait()
+        assert all(np.array_equal(o, b) for o, b in zip(outs, blobs))
+    finally:
+        for f in files:
+            f.close()
+
+
+def test_torch_tensors_are_buffers(engine: IOEngine, tmp_path) -> None:
+    """CPU tensors of any dtype are written and read in place, bfloat16 included."""
+    torch = pytest.importorskip("torch")
+    src = torch.randn(1000, 37).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    with IOFile(tmp_path / "t.bin", "rw") as f:
+        engine.write(f, src).wait()
+        engine.read(f, dst).wait()
+    assert torch.equal(src, dst)
+
+
+def test_fixed_buffers_registered_and_used(tmp_path) -> None:
+    """io_uring registers the pool as fixed buffers; I/O inside and outside them is correct."""
+    if available_backends()["io_uring"]:
+        pytest.skip(f"io_uring: {available_backends()['io_uring']}")
+    with create_engine("io_uring", block_size=1 << 20, queue_depth=4) as eng, AlignedBuffer(4 << 20) as reg, \
+            AlignedBuffer(4 << 20) as other, IOFile(tmp_path / "fx.bin", "rw") as f:
+        assert eng.register_buffers([(reg.address, reg.nbytes)])
+        assert eng._fixed_index(reg.address + 4096, 4096) == 0  # type: ignore[attr-defined]
+        assert eng._fixed_index(other.address, 4096) == -1  # type: ignore[attr-defined]
+        reg.numpy()[:] = _random(reg.nbytes, 3)
+        eng.write(f, reg.view).wait()
+        eng.read(f, other.view).wait()
+        assert np.array_equal(reg.numpy(), other.numpy())
+        other.numpy()[:] = _random(other.nbytes, 4)
+        eng.write(f, other.view).wait()
+        eng.read(f, reg.view).wait()
+        assert np.array_equal(reg.numpy(), other.numpy())
+
+
+def test_sqpoll_mode_round_trip(tmp_path) -> None:
+    """With SQPOLL the kernel thread submits; data still round-trips."""
+    if available_backends()["io_uring"]:
+        pytest.skip(f"io_uring: {available_backends()['io_uring']}")
+    try:
+        eng = create_engine("io_uring", block_size=64 << 10, queue_depth=16, sqpoll=True)
+    except OSError as exc:
+        pytest.skip(f"SQPOLL refused here: {exc}")
+    with eng, IOFile(tmp_path / "sq.bin", "rw") as f, AlignedBuffer(1 << 20) as a, AlignedBuffer(1 << 20) as b:
+        a.numpy()[:] = _random(a.nbytes, 9)
+        eng.write(f, a.view).wait()
+        eng.read(f, b.view).wait()
+        assert np.array_equal(a.numpy(), b.numpy())
+
+
+def test_io_uring_batches_submissions(tmp_path) -> None:
+    """Many chunks queued together go to the kernel in far fewer submit calls than chunks."""
+    if available_backends()["io_uring"]:
+        pytest.skip(f"io_uring: {available_backends()['io_uring']}")
+    with create_engine("io_uring", block_size=4096, queue_depth=32) as eng, AlignedBuffer(4 << 20) as buf, \
+            IOFile(tmp_path / "b.bin", "rw") as f:
+        eng.write(f, buf.view).wait()  # 1024 chunks in one call
+        assert eng.submits < 1024 // 2  # type: ignore[attr-defined]
+
+
+# -- errors -------------------------------------------------------------------------------------
+def test_missing_directory_names_the_path(tmp_path) -> None:
+    """Opening a file in a directory that does not exist raises FileNotFoundError with the path."""
+    path = tmp_path / "nope" / "f.bin"
+    with pytest.raises(FileNotFoundError) as info:
+        IOFile(path, "rw")
+    assert str(path) in str(info.value)
+
+
+def test_permission_denied_names_the_path() -> None:
+    """An unprivileged process opening a 0600 file of root's gets PermissionError naming the file."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a file another user cannot open")
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(dir="/var/tmp", prefix="tiermem-perm-")
+    try:
+        os.chmod(folder, 0o755)  # others may enter the folder; only the file itself is closed to them
+        path = os.path.join(folder, "secret.bin")
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+        os.chmod(path, 0o600)
+        script = textwrap.dedent(f"""
+            import os
+            from tiermem.io.files import IOFile
+            os.setgid(65534); os.setuid(65534)
+            try:
+                IOFile({path!r}, "r")
+            except PermissionError as exc:
+                print("denied", exc)
+        """)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+        assert out.startswith("denied") and path in out
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_read_past_end_is_a_clear_error(engine: IOEngine, tmp_path) -> None:
+    """Reading beyond the end raises ReadPastEndError naming the file, offset and its size."""
+    with IOFile(tmp_path / "short.bin", "rw") as f:
+        engine.write(f, bytearray(10_000)).wait()
+        with pytest.raises(ReadPastEndError) as info:
+            engine.read(f, bytearray(8192), 8192).wait()
+    msg = str(info.value)
+    assert "short.bin" in msg and "offset" in msg and "10000 bytes" in msg
+
+
+def test_write_to_read_only_file_names_the_file(engine: IOEngine, tmp_path) -> None:
+    """A write on a file opened read-only fails with OSError(EBADF) carrying the path."""
+    (tmp_path / "ro.bin").write_bytes(b"\0" * 4096)
+    with IOFile(tmp_path / "ro.bin", "r") as f:
+        with pytest.raises(OSError) as info:
+            engine.write(f, bytearray(4096)).wait()
+    assert info.value.filename == str(tmp_path / "ro.bin")
+    assert "write of 4096 bytes at offset 0" in str(info.value)
+
+
+def test_queue_beyond_depth_waits_instead_of_failing(tmp_path) -> None:
+    """A depth-1 engine given 50 transfers at once queues them; none fails with a full queue."""
+    for name in [b for b, r in available_backends().items() if r is None]:
+        with create_engine(name, block_size=4096, queue_depth=1) as eng, IOFile(tmp_path / f"{name}.bin", "rw") as f:
+            futures = [eng.write(f, bytes([i]) * 4096, i * 4096) for i in range(50)]
+            assert all(fut.wait() == 4096 for fut in futures)
+            out = bytearray(50 * 4096)
+            eng.read(f, out).wait()
+            assert all(out[i * 4096] == i for i in range(50))
+
+
+def test_bad_arguments_are_refused_up_front(engine: IOEngine, tmp_path) -> None:
+    """Negative offsets, oversize nbytes and read-only destination buffers raise ValueError at once."""
+    with IOFile(tmp_path / "a.bin", "rw") as f:
+        with pytest.raises(ValueError, match="offset"):
+            engine.write(f, bytearray(10), -1)
+        with pytest.raises(ValueError, match="does not fit"):
+            engine.write(f, bytearray(10), 0, 11)
+        with pytest.raises(ValueError, match="read-only"):
+            engine.read(f, b"immutable")
+
+
+def test_engine_settings_are_checked() -> None:
+    """block_size and queue_depth are validated with the config key in the message."""
+    with pytest.raises(IOEngineError, match="io.block_size"):
+        create_engine("threads", block_size=1000)
+    with pytest.raises(IOEngineError, match="io.queue_depth"):
+        create_engine("threads", queue_depth=0)
+    with pytest.raises(IOEngineError, match="io.engine"):
+        create_engine("libaio")
+    with pytest.raises(IOEngineError, match="io.sqpoll"):
+        create_engine("threads", sqpoll=True)
+
+
+def test_closed_engine_refuses_work(backend: str, tmp_path) -> None:
+    """After close(), new transfers raise IOEngineError instead of hanging."""
+    eng = create_engine(backend)
+    eng.close()
+    with IOFile(tmp_path / "c.bin", "rw") as f, pytest.raises(IOEngineError, match="closed"):
+        eng.write(f, bytearray(4096))
+
+
+# -- fallbacks ----------------------------------------------------------------------------------
+def test_io_uring_forced_off_falls_back_to_threads(monkeypatch, caplog) -> None:
+    """With io_uring disabled, auto picks threads with one warning; asking for io_uring explains why not."""
+    monkeypatch.setenv("TIERMEM_DISABLE_IO_URING", "1")
+    monkeypatch.setattr(engine_mod, "_probe_result", {})
+    monkeypatch.setattr(engine_mod, "_fallback_logged", False)
+    with caplog.at_level(logging.WARNING, logger="tiermem.io.engine"):
+        with create_engine("auto") as eng:
+            assert eng.name == "threads"
+        with create_engine("auto"):
+            pass
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "TIERMEM_DISABLE_IO_URING" in caplog.records[0].getMessage()
+    with pytest.raises(IOEngineError, match="io_uring is not usable here.*TIERMEM_DISABLE_IO_URING"):
+        create_engine("io_uring")
+    monkeypatch.setattr(engine_mod, "_probe_result", {})
+
+
+def test_o_direct_refused_falls_back_to_buffered(engine: IOEngine, ramfs_dir: str, caplog) -> None:
+    """On ramfs (no O_DIRECT) the file opens buffered with a warning naming the filesystem, and works."""
+    with caplog.at_level(logging.WARNING, logger="tiermem.io.files"):
+        f = IOFile(os.path.join(ramfs_dir, "x.bin"), "rw")
+    with f, AlignedBuffer(1 << 20) as a, AlignedBuffer(1 << 20) as b:
+        assert not f.direct
+        assert f.fallback_reason and "ramfs" in f.fallback_reason
+        a.numpy()[:] = _random(a.nbytes, 5)
+        engine.write(f, a.view).wait()
+        engine.read(f, b.view).wait()
+        assert np.array_equal(a.numpy(), b.numpy())
+    assert any("O_DIRECT" in r.getMessage() for r in caplog.records)
+
+
+def test_direct_false_opens_buffered(engine: IOEngine, tmp_path) -> None:
+    """direct=False is honoured (no O_DIRECT) and reports no fallback reason."""
+    with IOFile(tmp_path / "b.bin", "rw", direct=False) as f:
+        assert not f.direct and f.fallback_reason is None
+        engine.write(f, b"abc" * 5000).wait()
+        out = bytearray(15000)
+        engine.read(f, out).wait()
+        assert out == b"abc" * 5000
+
+
+def test_package_builds_and_imports_without_liburing(tmp_path) -> None:
+    """A build without the io_uring core imports, and `tiermem info` says why io_uring is unusable."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TIERMEM_NO_URING="1")
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), root],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert build.returncode == 0, build.stderr
+    wheels = [w for w in os.listdir(tmp_path) if w.endswith(".whl")]
+    assert len(wheels) == 1
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "zipfile", "-e", str(tmp_path / wheels[0]), str(site)], check=True)
+    assert not any(n.endswith(".so") for _, _, files in os.walk(site) for n in files)
+    out = subprocess.run(
+        [sys.executable, "-m", "tiermem", "info"], capture_output=True, text=True, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(site)),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "io_uring  no: the native io_uring core is not built" in out.stdout
+    assert "threads   yes" in out.stdout

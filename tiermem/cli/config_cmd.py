@@ -1,0 +1,95 @@
+"""`tiermem config check FILE...` and `tiermem config show [FILE]`: validate and print swap-configs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import yaml
+
+from tiermem.config import format_config, load_config
+from tiermem.errors import ConfigError
+
+# Exit status for a config that does not validate; 1 is left for unexpected failures.
+EXIT_BAD_CONFIG = 2
+
+
+def _parse_set(text: str) -> tuple[str, Any]:
+    """Turn ``KEY=VALUE`` into (key, value), reading VALUE as YAML so ``4`` is an int."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE such as prefetch.depth=4, got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        raise argparse.ArgumentTypeError(f"{key}: value {value!r} is not valid YAML") from None
+    return key.strip(), parsed
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Collect the --set pairs, later ones winning."""
+    return dict(args.set or [])
+
+
+def _error_line(file: str, exc: ConfigError) -> str:
+    """Prefix the message with the file unless it already starts with it (unreadable-file errors)."""
+    message = str(exc)
+    return message if message.startswith(file) else f"{file}: {message}"
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Validate each FILE; print "FILE: ok" or the error, exit 0 if all pass, else 2."""
+    status = 0
+    for file in args.files:
+        try:
+            load_config(file, **_overrides(args))
+        except ConfigError as exc:
+            print(_error_line(file, exc), file=sys.stderr)
+            status = EXIT_BAD_CONFIG
+        else:
+            print(f"{file}: ok")
+    return status
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """Print the effective config of FILE (or the defaults) with every key filled in."""
+    try:
+        cfg = load_config(args.file, **_overrides(args))
+    except ConfigError as exc:
+        print(_error_line(args.file, exc) if args.file else str(exc), file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    sys.stdout.write(format_config(cfg))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``config`` command and its ``check`` and ``show`` subcommands to `subparsers`."""
+    parser = subparsers.add_parser(
+        "config",
+        help="validate or print a swap-config",
+        description="Validate swap-config YAML files or print the effective config. See docs/config.md for every key.",
+    )
+    commands = parser.add_subparsers(dest="config_command", metavar="{check,show}")
+    commands.required = True
+
+    set_help = "override one key after reading the file, e.g. --set prefetch.depth=4 (repeatable)"
+
+    check = commands.add_parser(
+        "check",
+        help="validate config files",
+        description="Validate each FILE. Prints 'FILE: ok' per valid file; exits 2 if any is invalid.",
+    )
+    check.add_argument("files", nargs="+", metavar="FILE", help="a swap-config YAML file")
+    check.add_argument("--set", action="append", type=_parse_set, metavar="KEY=VALUE", help=set_help)
+    check.set_defaults(func=run_check)
+
+    show = commands.add_parser(
+        "show",
+        help="print the effective config",
+        description="Print the config FILE describes (or the defaults) with every key filled in,"
+        " as YAML that 'config check' accepts.",
+    )
+    show.add_argument("file", nargs="?", metavar="FILE", help="a swap-config YAML file")
+    show.add_argument("--set", action="append", type=_parse_set, metavar="KEY=VALUE", help=set_help)
+    show.set_defaults(func=run_show)

@@ -1,0 +1,738 @@
+"""The swap-config: where each kind of training state rests, and how tiermem moves it.
+
+One dataclass per component (`ParamsConfig`, `NvmeConfig`, `IOConfig`, ...) nested under `Config`,
+after torchtitan's job config. Each component checks its own fields in ``__post_init__``; `Config`
+checks the rules that span components. `load_config` builds a `Config` from a YAML file, a mapping
+or another `Config`, rejecting unknown keys and wrong types with the dotted key path, what was
+expected and what was got. docs/config.md is the reference for every key and rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import yaml
+
+from tiermem.errors import ConfigError
+from tiermem.sizes import SIZE_HINT, parse_size
+
+__all__ = [
+    "Config",
+    "ParamsConfig",
+    "OptimizerConfig",
+    "GradsConfig",
+    "NvmeConfig",
+    "MemoryConfig",
+    "PrefetchConfig",
+    "WrapConfig",
+    "IOConfig",
+    "TraceConfig",
+    "load_config",
+    "format_config",
+]
+
+logger = logging.getLogger(__name__)
+
+PARAM_TIERS = ("device", "cpu", "nvme")
+STATE_TIERS = ("cpu", "nvme")
+DTYPES = ("float32", "bfloat16", "float16")
+# Spellings people carry over from other tools; suggested, not accepted.
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "torch.float32": "float32",
+    "bf16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "torch.float16": "float16",
+}
+ENGINES = ("auto", "io_uring", "threads")
+
+# Direct I/O needs offsets and lengths aligned to the logical block of the drive; 4 KiB covers
+# every NVMe drive tiermem targets, so every on-disk granule is a multiple of it.
+IO_ALIGN = 4096
+MAX_QUEUE_DEPTH = 4096
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:[0-9]+)$")
+_UNEXPANDED_VAR_RE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+# Field metadata marking a byte count: parsed with parse_size, written back as "1MiB" by to_dict.
+_BYTES: dict[str, Any] = {"bytes": True}
+
+
+# ---------------------------------------------------------------------------------------------
+# Value checks shared by the components. Each takes the dotted key path first so that every
+# message starts with it.
+
+
+def _describe(value: object) -> str:
+    """Name a wrong value for a message: its YAML-ish type and its repr."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, str):
+        return f"a string {value!r}"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return f"a list {list(value)!r}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _suggest(word: str, options: Sequence[str]) -> str:
+    """Return "; did you mean 'x'?" for a close option, else ""."""
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _int(key: str, value: object, lo: int, hi: int | None = None) -> int:
+    """Return `value` if it is an int within [lo, hi]; bools and floats are refused."""
+    want = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: expected {want}, got {_describe(value)}")
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError(f"{key}: expected {want}, got {value}")
+    return value
+
+
+def _bool(key: str, value: object) -> bool:
+    """Return `value` if it is a bool; 0/1 and "yes" strings are refused."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {_describe(value)}")
+    return value
+
+
+def _choice(key: str, value: object, options: Sequence[str], aliases: Mapping[str, str] | None = None) -> str:
+    """Return `value` if it is one of `options`, else say which it might have meant.
+
+    `aliases` maps common other spellings to the option to suggest; they are still refused so
+    that one config has one spelling.
+    """
+    listed = ", ".join(options)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected one of {listed}, got {_describe(value)}")
+    if value not in options:
+        alias = (aliases or {}).get(value.lower())
+        hint = f"; did you mean {alias!r}?" if alias else _suggest(value, options)
+        raise ConfigError(f"{key}: expected one of {listed}, got {value!r}{hint}")
+    return value
+
+
+def _size(key: str, value: object, *, minimum: int = 0, align: int = 1) -> int:
+    """Return `value` as bytes (human strings allowed), at least `minimum`, a multiple of `align`."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{key}: expected {SIZE_HINT}, got {_describe(value)}")
+    try:
+        nbytes = parse_size(value, what=key)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if nbytes < minimum:
+        raise ConfigError(f"{key}: expected a size of at least {minimum} bytes, got {value!r}")
+    if nbytes % align:
+        down = nbytes // align * align
+        near = " or ".join(str(_human_size(n)) for n in (down, down + align) if n)
+        raise ConfigError(
+            f"{key}: expected a multiple of {align} bytes for direct I/O, got {value!r} ({nbytes} bytes); use {near}"
+        )
+    return nbytes
+
+
+def _optional_size(key: str, value: object, *, minimum: int = 0) -> int | None:
+    """Like `_size`, but null stays None."""
+    return None if value is None else _size(key, value, minimum=minimum)
+
+
+def _path(key: str, value: object) -> str:
+    """Return `value` as an absolute path with ~ and $VARS expanded."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key}: expected a non-empty path string, got {_describe(value)}")
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    unset = _UNEXPANDED_VAR_RE.search(expanded)
+    if unset:
+        raise ConfigError(
+            f"{key}: environment variable {unset.group(0)} in {value!r} is not set; set it or write the path out"
+        )
+    return os.path.abspath(expanded)
+
+
+def _str_list(key: str, value: object, what: str) -> tuple[str, ...]:
+    """Return `value` as a tuple of strings; a bare string is refused, not split into letters."""
+    if isinstance(value, str):
+        raise ConfigError(f"{key}: expected a list of {what}, got a string {value!r}; write [{value}]")
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list of {what}, got {_describe(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {_describe(item)}")
+    return tuple(value)
+
+
+def _check_writable_dir(key: str, path: str) -> None:
+    """Fail unless `path` is a writable directory or could be created as one."""
+    if os.path.lexists(path) and not os.path.exists(path):
+        raise ConfigError(f"{key}: {path!r} is a dangling symlink; fix or remove it")
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(
+                f"{key}: expected a directory, got {path!r} which exists and is not one; point it at a directory"
+            )
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"{key}: expected a writable directory, got {path!r} which this user cannot"
+                " write; fix its permissions or choose another directory"
+            )
+        return
+    # tiermem creates missing run directories, so the nearest existing ancestor decides.
+    ancestor = os.path.dirname(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ConfigError(
+            f"{key}: {path!r} cannot be created because {ancestor!r} is not a directory;"
+            " choose a path under a directory"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{key}: {path!r} does not exist and cannot be created because {ancestor!r} is not"
+            " writable by this user; create it first or choose another directory"
+        )
+
+
+def _human_size(nbytes: int) -> int | str:
+    """Return `nbytes` as an exact human string ("1MiB", "1GB") or the int if no unit divides it."""
+    if nbytes == 0:
+        return 0
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    for unit, scale in (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Components. Each names its section in SECTION so that its own checks can print the key path.
+
+
+@dataclass
+class ParamsConfig:
+    """Model parameters: where they rest between the forward/backward uses of their unit."""
+
+    SECTION: ClassVar[str] = "params"
+
+    tier: str = "nvme"
+    """Where parameters rest between uses: ``device`` (stay resident), ``cpu`` or ``nvme``."""
+
+    dtype: str | None = None
+    """Storage and compute dtype override (``float32``, ``bfloat16``, ``float16``);
+    None keeps each parameter's own dtype."""
+
+    def __post_init__(self) -> None:
+        self.tier = _choice("params.tier", self.tier, PARAM_TIERS)
+        if self.dtype is not None:
+            self.dtype = _choice("params.dtype", self.dtype, DTYPES, _DTYPE_ALIASES)
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer state: fp32 master weights plus the optimizer's own tensors (e.g. Adam moments)."""
+
+    SECTION: ClassVar[str] = "optimizer"
+
+    tier: str = "nvme"
+    """Where master weights and optimizer states rest: ``cpu`` or ``nvme``. The step runs on the
+    host either way."""
+
+    def __post_init__(self) -> None:
+        self.tier = _choice("optimizer.tier", self.tier, STATE_TIERS)
+
+
+@dataclass
+class GradsConfig:
+    """Gradient accumulators, from the end of backward until the optimizer step consumes them."""
+
+    SECTION: ClassVar[str] = "grads"
+
+    tier: str = "cpu"
+    """Where gradients rest after backward: ``cpu`` or ``nvme``."""
+
+    def __post_init__(self) -> None:
+        self.tier = _choice("grads.tier", self.tier, STATE_TIERS)
+
+
+@dataclass
+class NvmeConfig:
+    """The directories that hold the NVMe tier and how data is laid out across them."""
+
+    SECTION: ClassVar[str] = "nvme"
+
+    paths: tuple[str, ...] = ("/var/tmp/tiermem",)
+    """Directories for swap files, stored absolute with ~ and $VARS expanded. With several,
+    data is striped across them round-robin, one stripe_size chunk per directory."""
+
+    stripe_size: int = field(default=1024**2, metadata=_BYTES)
+    """Bytes written to one directory before moving to the next; a multiple of 4 KiB."""
+
+    checksum: bool = False
+    """Write a checksum with every block and verify it on every read."""
+
+    keep_files: bool = False
+    """Leave swap files in place on exit (for inspection) instead of deleting them."""
+
+    def __post_init__(self) -> None:
+        raw = _str_list("nvme.paths", self.paths, "directories")
+        paths = tuple(_path(f"nvme.paths[{i}]", p) for i, p in enumerate(raw))
+        for i, p in enumerate(paths):
+            if p in paths[:i]:
+                raise ConfigError(
+                    f"nvme.paths[{i}]: {p!r} is listed twice; striping needs distinct"
+                    " directories, so remove the duplicate"
+                )
+        self.paths = paths
+        self.stripe_size = _size("nvme.stripe_size", self.stripe_size, minimum=1, align=IO_ALIGN)
+        self.checksum = _bool("nvme.checksum", self.checksum)
+        self.keep_files = _bool("nvme.keep_files", self.keep_files)
+
+
+@dataclass
+class MemoryConfig:
+    """Budgets that bound how much memory tiermem itself may hold."""
+
+    SECTION: ClassVar[str] = "memory"
+
+    host_budget: int = field(default=4 * 1024**3, metadata=_BYTES)
+    """Pinned/aligned host bytes tiermem may hold, every tier's buffers included."""
+
+    device_budget: int | None = field(default=None, metadata=_BYTES)
+    """Cap on the device working set in bytes; None derives it from the prefetch settings."""
+
+    def __post_init__(self) -> None:
+        self.host_budget = _size("memory.host_budget", self.host_budget, minimum=1)
+        self.device_budget = _optional_size("memory.device_budget", self.device_budget, minimum=1)
+
+
+@dataclass
+class PrefetchConfig:
+    """How far ahead of the computing unit tiermem fetches (see docs/config.md)."""
+
+    SECTION: ClassVar[str] = "prefetch"
+
+    depth: int = 2
+    """Units fetched ahead of the one computing; 0 fetches each unit only when it is needed."""
+
+    max_bytes: int | None = field(default=None, metadata=_BYTES)
+    """Cap in bytes on the prefetch window; None means only depth limits it."""
+
+    def __post_init__(self) -> None:
+        self.depth = _int("prefetch.depth", self.depth, 0)
+        self.max_bytes = _optional_size("prefetch.max_bytes", self.max_bytes, minimum=1)
+
+
+@dataclass
+class WrapConfig:
+    """How modules are grouped into units, the granule that is fetched and released together."""
+
+    SECTION: ClassVar[str] = "wrap"
+
+    classes: tuple[str, ...] = ()
+    """Module class names (e.g. ``LlamaDecoderLayer``) whose instances form units;
+    empty uses the automatic size-based policy."""
+
+    min_unit_bytes: int = field(default=1024**2, metadata=_BYTES)
+    """Units smaller than this are merged with their neighbours; 0 never merges."""
+
+    def __post_init__(self) -> None:
+        self.classes = _str_list("wrap.classes", self.classes, "module class names")
+        self.min_unit_bytes = _size("wrap.min_unit_bytes", self.min_unit_bytes)
+
+
+@dataclass
+class IOConfig:
+    """The I/O engine that moves bytes between host buffers and the NVMe tier."""
+
+    SECTION: ClassVar[str] = "io"
+
+    engine: str = "auto"
+    """Backend: ``io_uring``, ``threads``, or ``auto`` (io_uring when available, else threads)."""
+
+    block_size: int = field(default=1024**2, metadata=_BYTES)
+    """Bytes per read/write request; a multiple of 4 KiB. Each in-flight request holds one
+    pinned buffer of this size."""
+
+    queue_depth: int = 32
+    """Requests kept in flight at once, 1 to 4096."""
+
+    direct: bool = True
+    """Open swap files with O_DIRECT, bypassing the page cache."""
+
+    sqpoll: bool = False
+    """Let a kernel thread poll the io_uring submission queue (io_uring only; costs a core)."""
+
+    def __post_init__(self) -> None:
+        self.engine = _choice("io.engine", self.engine, ENGINES)
+        self.block_size = _size("io.block_size", self.block_size, minimum=1, align=IO_ALIGN)
+        self.queue_depth = _int("io.queue_depth", self.queue_depth, 1, MAX_QUEUE_DEPTH)
+        self.direct = _bool("io.direct", self.direct)
+        self.sqpoll = _bool("io.sqpoll", self.sqpoll)
+
+
+@dataclass
+class TraceConfig:
+    """Timeline tracing of transfers and compute, for finding stalls."""
+
+    SECTION: ClassVar[str] = "trace"
+
+    path: str | None = None
+    """File to write a timeline trace to, stored absolute; None disables tracing."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            self.path = _path("trace.path", self.path)
+            if os.path.isdir(self.path):
+                raise ConfigError(
+                    f"trace.path: expected a file path, got {self.path!r} which is a directory; name a file inside it"
+                )
+
+
+_SECTIONS: tuple[type[Any], ...] = (
+    ParamsConfig,
+    OptimizerConfig,
+    GradsConfig,
+    NvmeConfig,
+    MemoryConfig,
+    PrefetchConfig,
+    WrapConfig,
+    IOConfig,
+    TraceConfig,
+)
+
+
+@dataclass
+class Config:
+    """The whole swap-config. Build it with `load_config`; every field is checked on construction.
+
+    Example::
+
+        cfg = load_config("configs/nvme.yaml", prefetch__depth=4)
+        cfg.params.tier        # 'nvme'
+        cfg.io.block_size      # 1048576
+    """
+
+    device: str = "auto"
+    """Compute device: ``auto`` (cuda if present, else cpu), ``cpu``, ``cuda`` or ``cuda:N``.
+    Whether CUDA is really there is checked by the runtime, not here."""
+
+    params: ParamsConfig = field(default_factory=ParamsConfig)
+    """Where parameters rest and in which dtype."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Where master weights and optimizer states rest."""
+
+    grads: GradsConfig = field(default_factory=GradsConfig)
+    """Where gradients rest after backward."""
+
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    """The NVMe tier's directories and layout."""
+
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Host and device memory budgets."""
+
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    """The prefetch window."""
+
+    wrap: WrapConfig = field(default_factory=WrapConfig)
+    """How modules are grouped into units."""
+
+    io: IOConfig = field(default_factory=IOConfig)
+    """The I/O engine."""
+
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    """Timeline tracing."""
+
+    origin: str = field(default="defaults", init=False, compare=False, repr=False)
+    """Where this config came from (a file path, "a mapping", "defaults", plus overrides);
+    format_config writes it in its header. Not a config key."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            raise ConfigError(f"device: expected auto, cpu, cuda or cuda:N (N >= 0), got {_describe(self.device)}")
+        for f in dataclasses.fields(self):
+            cls = _section_class(f.name)
+            value = getattr(self, f.name)
+            if cls is not None and not isinstance(value, cls):
+                raise ConfigError(
+                    f"{f.name}: expected a {cls.__name__}, got {_describe(value)};"
+                    " build configs from mappings with load_config"
+                )
+        self._check_combinations()
+
+    @property
+    def uses_nvme(self) -> bool:
+        """True when any tier is ``nvme``, i.e. the NVMe directories and I/O engine are used."""
+        return "nvme" in (self.params.tier, self.optimizer.tier, self.grads.tier)
+
+    def _check_combinations(self) -> None:
+        """Rules spanning components; each is explained under "Combination rules" in docs/config.md."""
+        # Rule 1: the step reads gradients next to the optimizer state; with that state on the
+        # host, spilling gradients to disk writes and rereads every byte for no saving at the step.
+        if self.grads.tier == "nvme" and self.optimizer.tier != "nvme":
+            raise ConfigError(
+                f"grads.tier: 'nvme' needs optimizer.tier 'nvme', got optimizer.tier"
+                f" {self.optimizer.tier!r}; set grads.tier: cpu or optimizer.tier: nvme"
+            )
+        # Rule 2: SQ polling is an io_uring feature; the thread pool has nothing to poll.
+        if self.io.sqpoll and self.io.engine == "threads":
+            raise ConfigError(
+                "io.sqpoll: true needs io.engine 'io_uring' or 'auto', got io.engine 'threads';"
+                " set io.sqpoll: false or change io.engine"
+            )
+        # Rule 3: a prefetch window larger than the device cap can never be filled.
+        budget, window = self.memory.device_budget, self.prefetch.max_bytes
+        if budget is not None and window is not None and window > budget:
+            raise ConfigError(
+                f"prefetch.max_bytes: expected at most memory.device_budget"
+                f" ({_human_size(budget)}), got {_human_size(window)}; the prefetch window lives"
+                " in device memory, so lower prefetch.max_bytes or raise memory.device_budget"
+            )
+        if not self.uses_nvme:
+            return
+        # Rule 4: with an NVMe tier there must be somewhere to write it.
+        if not self.nvme.paths:
+            raise ConfigError(
+                "nvme.paths: expected at least one directory because a tier is 'nvme', got [];"
+                " add a directory or move every tier off nvme"
+            )
+        for i, path in enumerate(self.nvme.paths):
+            _check_writable_dir(f"nvme.paths[{i}]", path)
+        # Rule 5: every in-flight request pins one block-sized host buffer.
+        in_flight = self.io.block_size * self.io.queue_depth
+        if self.memory.host_budget < in_flight:
+            raise ConfigError(
+                f"memory.host_budget: expected at least io.block_size * io.queue_depth"
+                f" = {_human_size(in_flight)} (the pinned buffers of requests in flight), got"
+                f" {_human_size(self.memory.host_budget)}; raise memory.host_budget or lower"
+                " io.block_size or io.queue_depth"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the config as plain YAML-able values: sizes as exact strings like ``"1MiB"``
+        (ints where no unit divides them), tuples as lists. ``load_config(cfg.to_dict()) == cfg``."""
+        return _to_dict(self)
+
+
+def _section_class(name: str) -> type[Any] | None:
+    """Return the component class for section `name`, or None for scalar top-level keys."""
+    for cls in _SECTIONS:
+        if cls.SECTION == name:
+            return cls
+    return None
+
+
+def _to_dict(obj: object) -> dict[str, Any]:
+    """Turn one config dataclass into plain values (see Config.to_dict)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        if not f.init:
+            continue
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = _to_dict(value)
+        elif f.metadata.get("bytes") and value is not None:
+            out[f.name] = _human_size(value)
+        elif isinstance(value, tuple):
+            out[f.name] = list(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading.
+
+_T = TypeVar("_T")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _construct_mapping_no_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Any:
+    seen: dict[str, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+            continue  # merge keys (<<) and non-string keys are left to PyYAML and _build
+        key = key_node.value
+        if key in seen:
+            line = key_node.start_mark.line + 1
+            first = seen[key].start_mark.line + 1
+            raise ConfigError(
+                f"{key_node.start_mark.name}:{line}: key {key!r} is given twice (first on line {first}); keep one"
+            )
+        seen[key] = key_node
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping_no_duplicates)
+
+
+def _read_yaml(path: str) -> Any:
+    """Parse YAML file `path`; every failure becomes a ConfigError naming the path (and line)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.load(fh, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader is a SafeLoader
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file does not exist; check the path") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: expected a YAML file, got a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 text ({exc.reason})") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        problem = exc.problem or exc.context or "syntax error"
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+
+
+def _build(cls: type[_T], raw: object, prefix: str) -> _T:
+    """Construct dataclass `cls` from mapping `raw`, refusing unknown keys; `prefix` is its key path."""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    if raw is None:  # "params:" with everything under it commented out means all defaults
+        raw = {}
+    if not isinstance(raw, Mapping):
+        where = prefix or "top level"
+        raise ConfigError(f"{where}: expected a mapping with keys {', '.join(names)}, got {_describe(raw)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if not isinstance(key, str) or key not in names:
+            hint = _suggest(str(key), names) or f"; expected one of {', '.join(names)}"
+            raise ConfigError(f"{path}: unknown key{hint}")
+        section = _section_class(key) if cls is Config else None
+        kwargs[key] = _build(section, value, path) if section is not None else value
+    return cls(**kwargs)
+
+
+def _normalise_override_key(key: str) -> list[str]:
+    """Split an override key, ``"prefetch.depth"`` or ``"prefetch__depth"``, into segments."""
+    parts = key.replace("__", ".").split(".")
+    if not all(parts):
+        raise ConfigError(f"{key}: malformed override key; write section.key or section__key, e.g. prefetch.depth")
+    return parts
+
+
+def _merge(into: dict[str, Any], value: Mapping[str, Any]) -> None:
+    """Deep-merge `value` into `into`, so an override of a whole section keeps unnamed keys."""
+    for k, v in value.items():
+        if isinstance(v, Mapping) and isinstance(into.get(k), Mapping):
+            inner = dict(into[k])
+            _merge(inner, v)
+            into[k] = inner
+        else:
+            into[k] = v
+
+
+def _apply_override(raw: dict[str, Any], key: str, value: object) -> None:
+    """Set dotted `key` in the raw mapping; validation happens later with everything else."""
+    parts = _normalise_override_key(key)
+    names = {f.name for f in dataclasses.fields(Config) if f.init}
+    if len(parts) > 1 and parts[0] in names and _section_class(parts[0]) is None:
+        raise ConfigError(
+            f"{'.'.join(parts[:2])}: unknown key; {parts[0]} takes a value, not keys, so override it as {parts[0]}=..."
+        )
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = {}
+        elif not isinstance(child, Mapping):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(
+                f"{where}: cannot apply override {'.'.join(parts)} because {where} is {_describe(child)}, not a mapping"
+            )
+        child = dict(child)
+        node[part] = child
+        node = child
+    last = parts[-1]
+    if isinstance(value, Mapping) and isinstance(node.get(last), Mapping):
+        merged = dict(node[last])
+        _merge(merged, value)
+        node[last] = merged
+    else:
+        node[last] = value
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+    **overrides: Any,
+) -> Config:
+    """Build and validate a `Config`.
+
+    Args:
+        source: None for the defaults; a YAML file path (str or PathLike); a mapping shaped like
+            the YAML; or a `Config`, which is copied. Keys left out take their defaults.
+        **overrides: values set after reading `source`, keyed by dotted path
+            (``**{"prefetch.depth": 4}``) or, as plain keywords, with ``__`` for the dots
+            (``prefetch__depth=4``). They are checked exactly like YAML values, so
+            ``io__block_size="4MiB"`` works. A mapping value is merged into its section.
+
+    Returns:
+        The validated config; byte counts are ints, ``nvme.paths`` a tuple of absolute paths.
+
+    Raises:
+        ConfigError: the message starts with the key path (or the file path for a file that
+            cannot be read or parsed) and says what was expected and what was got.
+
+    Example::
+
+        cfg = load_config("configs/nvme.yaml", prefetch__depth=4, **{"io.queue_depth": 64})
+    """
+    raw: Any
+    if source is None:
+        raw, origin = {}, "defaults"
+    elif isinstance(source, Config):
+        raw, origin = source.to_dict(), source.origin
+    elif isinstance(source, Mapping):
+        raw, origin = dict(source), "a mapping"
+    elif isinstance(source, (str, os.PathLike)):
+        origin = os.fspath(source)
+        raw = _read_yaml(origin)
+        if raw is None:  # an empty (or all-comment) file means all defaults
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{origin}: expected a mapping of config keys at the top level, got {_describe(raw)}")
+    else:
+        raise ConfigError(f"source: expected None, a YAML path, a mapping or a Config, got {_describe(source)}")
+    if overrides:
+        raw = dict(raw)
+        for key, value in overrides.items():
+            _apply_override(raw, key, value)
+        shown = ", ".join(f"{'.'.join(_normalise_override_key(k))}={v!r}" for k, v in overrides.items())
+        origin = f"{origin} with overrides {shown}"
+    cfg = _build(Config, raw, "")
+    cfg.origin = origin
+    logger.debug("loaded tiermem config from %s", origin)
+    return cfg
+
+
+def format_config(cfg: Config) -> str:
+    """Return `cfg` as YAML text with every key filled in, headed by a comment naming its origin.
+
+    ``load_config`` reads the text back to an equal `Config`.
+    """
+    body = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    origin = " ".join(cfg.origin.split())  # keep the header on one comment line
+    return f"# tiermem config from {origin}; defaults filled in\n{body}"
