@@ -72,13 +72,13 @@ def test_several_files_and_directories_at_once(engine: IOEngine, tmp_path) -> No
         files.append(IOFile(tmp_path / f"d{d}" / "x.bin", "rw"))
     try:
         blobs = [_random(300_000, 100 + d) for d in range(3)]
-        futures = [engine.write(f, b) for f, b in zip(files, blobs)]
+        futures = [engine.write(f, b) for f, b in zip(files, blobs, strict=True)]
         for fut in futures:
             fut.wait()
         outs = [np.zeros_like(b) for b in blobs]
-        for fut in [engine.read(f, o) for f, o in zip(files, outs)]:
+        for fut in [engine.read(f, o) for f, o in zip(files, outs, strict=True)]:
             fut.wait()
-        assert all(np.array_equal(o, b) for o, b in zip(outs, blobs))
+        assert all(np.array_equal(o, b) for o, b in zip(outs, blobs, strict=True))
     finally:
         for f in files:
             f.close()

@@ -9,6 +9,7 @@ the result records as `direct: false` and `cache: "dropped"`.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiermem.io.buffers import HostBufferPool, PoolBuffer
-from tiermem.io.engine import IOEngine, available_backends, create_engine
+from tiermem.io.engine import available_backends, create_engine
 from tiermem.io.files import fs_of
 from tiermem.io.future import IOFuture
 from tiermem.store import Extent, SwapStore
@@ -64,8 +65,6 @@ def system_info(paths: list[str]) -> dict[str, Any]:
 
 def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dict[str, Any]]:
     """Measure every combination in `spec`; return one result dict per (engine, mode, block, depth)."""
-    for p in spec.paths:
-        os.makedirs(p, exist_ok=True)
     results = []
     combos = [(e, bs, qd) for e in spec.engines for bs in spec.block_sizes for qd in spec.queue_depths]
     total = len(combos) * spec.runs * spec.size * (len(spec.modes) + (1 if "write" not in spec.modes else 0))
@@ -86,13 +85,13 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
             for i, s in enumerate(slots):
                 s.numpy()[:] = (i * 37 + 11) & 0xFF  # not zeros: some devices shortcut zero pages
             extent = store.allocate(spec.size)
-            devices = sorted({block_device_of(p) for p in spec.paths} - {None})  # type: ignore[arg-type]
+            devices = sorted({d for d in (block_device_of(p) for p in spec.paths) if d})
             if "write" not in spec.modes:  # reads need data there first; not timed
                 _stream(store, extent, slots, spec.size, bs, write=True, tick=lambda n: tick(n, "preparing"))
                 store.flush()
             for mode in spec.modes:
                 samples, cpu, reqs = [], [], []
-                label = f"{engine_name} {mode} bs={bs >> 10}KiB qd={qd}"
+                advance = functools.partial(tick, label=f"{engine_name} {mode} bs={bs >> 10}KiB qd={qd}")
                 for _ in range(spec.runs):
                     write = mode == "write"
                     if not write and not store.direct:
@@ -100,7 +99,7 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
                         _drop_cache(store)
                     before = disk_stats(devices)
                     cpu0, t0 = time.process_time(), time.perf_counter()
-                    _stream(store, extent, slots, spec.size, bs, write=write, tick=lambda n: tick(n, label))
+                    _stream(store, extent, slots, spec.size, bs, write=write, tick=advance)
                     if write and not store.direct:
                         store.flush()  # buffered writes must reach the disk to count
                     elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -22,7 +23,7 @@ class BenchArgError(TiermemError):
     """A command-line value is wrong."""
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bsub.required = True
@@ -78,7 +79,16 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         engines = [args.engine]
     modes = ["write", "read"] if args.mode == "both" else [args.mode]
     stripe = _size("--stripe-size", args.stripe_size) if args.stripe_size else None
-    return BenchSpec(paths=args.path or [DEFAULT_PATH], size=size, block_sizes=block_sizes, queue_depths=depths,
+    paths = args.path or [DEFAULT_PATH]
+    for path in paths:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise BenchArgError(f"--path {path}: cannot create the directory ({exc.strerror}); "
+                                "choose a writable directory") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise BenchArgError(f"--path {path}: not writable by this user; choose a writable directory")
+    return BenchSpec(paths=paths, size=size, block_sizes=block_sizes, queue_depths=depths,
                      engines=engines, modes=modes, runs=args.runs, direct=args.direct, stripe_size=stripe)
 
 

@@ -10,7 +10,7 @@ import platform
 from tiermem.benchmark import system_info
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="show usable I/O backends, CUDA and the swap paths' devices")
     p.add_argument("--path", action="append", default=None, help="swap directory to describe (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

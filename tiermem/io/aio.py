@@ -41,7 +41,10 @@ def wrap_future(future: IOFuture, loop: asyncio.AbstractEventLoop | None = None)
         else:
             result.set_result(done.nbytes)
 
-    future.add_done_callback(lambda done: loop.call_soon_threadsafe(settle, done))
+    def hand_over(done: IOFuture) -> None:  # runs on the engine's thread
+        loop.call_soon_threadsafe(settle, done)
+
+    future.add_done_callback(hand_over)
     return result
 
 

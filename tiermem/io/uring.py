@@ -74,7 +74,8 @@ class UringEngine(IOEngine):
 
     def register_buffers(self, regions: list[tuple[int, int]]) -> bool:
         """Register host regions as fixed buffers (split at 1 GiB); reads/writes inside them skip page pinning."""
-        pieces = [(a + off, min(MAX_FIXED_BUFFER, n - off)) for a, n in regions for off in range(0, n, MAX_FIXED_BUFFER)]
+        pieces = [(a + off, min(MAX_FIXED_BUFFER, n - off))
+                  for a, n in regions for off in range(0, n, MAX_FIXED_BUFFER)]
         result = self._call("register", pieces)
         if isinstance(result, OSError):
             log.warning("io_uring could not register %s of fixed buffers (%s); using plain reads and writes",

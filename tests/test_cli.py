@@ -1,0 +1,99 @@
+"""The command line: `tiermem bench io` smoke runs, its JSON contract, `tiermem info`, and bad options."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiermem.cli import main
+
+RESULT_KEYS = {"engine", "mode", "block_size", "queue_depth", "bytes", "gbps_mean", "gbps_std",
+               "cpu_seconds_per_gib", "direct"}
+
+
+def _tiermem(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tiermem", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_bench_io_json_has_the_contract_keys_and_positive_figures(tmp_path) -> None:
+    """A small run prints one JSON object with system info and a result per engine and mode, all positive."""
+    res = _tiermem("bench", "io", "--path", str(tmp_path), "--size", "8MiB", "--runs", "2",
+                   "--block-size", "1MiB", "--queue-depth", "4", "--json", "--no-progress")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert {"kernel", "paths", "engines"} <= set(doc["system"])
+    results = doc["results"]
+    usable = [k for k, v in doc["system"]["engines"].items() if v == "available"]
+    assert {(r["engine"], r["mode"]) for r in results} == {(e, m) for e in usable for m in ("write", "read")}
+    for r in results:
+        assert RESULT_KEYS <= set(r)
+        assert r["gbps_mean"] > 0 and r["gbps_std"] >= 0 and r["cpu_seconds_per_gib"] >= 0
+        assert r["bytes"] == 8 << 20 and r["block_size"] == 1 << 20 and r["queue_depth"] == 4
+        assert r["direct"] is True
+    assert os.listdir(tmp_path) == []  # the benchmark's files are gone
+
+
+def test_bench_io_human_output_and_plot(tmp_path) -> None:
+    """Human mode prints the header and table, a progress line, and writes the PNG plot."""
+    plot = tmp_path / "bw.png"
+    res = _tiermem("bench", "io", "--path", str(tmp_path / "d"), "--size", "4MiB", "--runs", "1",
+                   "--engine", "threads", "--mode", "read", "--block-size", "256KiB", "--plot", str(plot))
+    assert res.returncode == 0, res.stderr
+    assert "tiermem bench io" in res.stdout and "GB/s" in res.stdout and "CPU s/GiB" in res.stdout
+    assert "threads   read" in res.stdout
+    assert "progress" in res.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_io_sweep_covers_the_grid(tmp_path) -> None:
+    """--sweep measures every block size x queue depth of the grid."""
+    res = _tiermem("bench", "io", "--path", str(tmp_path), "--size", "4MiB", "--runs", "1", "--sweep",
+                   "--engine", "threads", "--mode", "write", "--json", "--no-progress")
+    assert res.returncode == 0, res.stderr
+    grid = {(r["block_size"], r["queue_depth"]) for r in json.loads(res.stdout)["results"]}
+    assert grid == {(b, q) for b in (128 << 10, 512 << 10, 1 << 20, 4 << 20) for q in (1, 8, 32)}
+
+
+def test_bench_io_without_o_direct_says_cache_dropped(ramfs_dir: str) -> None:
+    """On a filesystem without O_DIRECT the results say direct=false and that the cache was dropped."""
+    res = _tiermem("bench", "io", "--path", ramfs_dir, "--size", "4MiB", "--runs", "1", "--engine", "threads",
+                   "--json", "--no-progress")
+    assert res.returncode == 0, res.stderr
+    for r in json.loads(res.stdout)["results"]:
+        assert r["direct"] is False and r["cache"] == "dropped"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--size", "lots"], "--size: expected a byte count"),
+    (["--size", "0"], "--size: expected a positive size"),
+    (["--block-size", "1000"], "--block-size: expected a positive multiple of 4096"),
+    (["--queue-depth", "0"], "--queue-depth: expected integers from 1 to 4096"),
+    (["--queue-depth", "x"], "--queue-depth: expected integers >= 1"),
+    (["--runs", "0"], "--runs: expected an integer >= 1"),
+    (["--sweep", "--block-size", "1MiB"], "--sweep chooses block sizes"),
+])
+def test_bench_io_bad_options_name_the_option(args: list[str], message: str, capsys, tmp_path) -> None:
+    """Each bad option exits 2 with a message naming the option and what it expects."""
+    assert main(["bench", "io", "--path", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_io_unwritable_path_is_a_clear_error(tmp_path, capsys) -> None:
+    """A --path under a regular file fails with exit 2 and a message naming the option and path."""
+    (tmp_path / "f").write_text("x")
+    bad = str(tmp_path / "f" / "sub")
+    assert main(["bench", "io", "--path", bad, "--size", "1MiB", "--runs", "1", "--no-progress"]) == 2
+    assert f"--path {bad}: cannot create the directory" in capsys.readouterr().err
+
+
+def test_info_reports_backends(capsys) -> None:
+    """`tiermem info --json` lists each backend as available or with the reason it is not."""
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info["engines"]) == {"io_uring", "threads"}
+    assert info["engines"]["threads"] == "available"
+    assert info["torch"]
