@@ -9,6 +9,7 @@ from tiermem.io.files import IOFile
 from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size, parse_size
 from tiermem.store import Extent, SwapStore
+from tiermem.swap import Partition, Residency, SwapStats, TensorSwapper, Tier
 
 __all__ = [
     "AlignedBuffer",
@@ -26,6 +27,11 @@ __all__ = [
     "StoreError",
     "SwapStore",
     "TiermemError",
+    "TensorSwapper",
+    "Tier",
+    "Partition",
+    "Residency",
+    "SwapStats",
     "available_backends",
     "create_engine",
     "format_config",

@@ -79,7 +79,7 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
     for engine_name, bs, qd in combos:
         with create_engine(engine_name, block_size=bs, queue_depth=qd) as engine, \
                 SwapStore(spec.paths, engine, stripe_size=spec.stripe_size or bs, direct=spec.direct) as store, \
-                HostBufferPool(bs * qd) as pool:
+                HostBufferPool(bs * qd, prefault=True) as pool:
             engine.register_buffers(pool.regions)
             slots = [pool.alloc(bs) for _ in range(qd)]
             for i, s in enumerate(slots):

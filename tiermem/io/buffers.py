@@ -4,7 +4,8 @@
 All host memory that the kernel reads or writes with O_DIRECT comes from here. Each buffer is one
 anonymous mmap, placed at a 2 MiB boundary and advised MADV_HUGEPAGE, because on virtio disks huge-page
 backed buffers let the block layer build larger requests (a plain pread loop went from 1.7 to 2.5 GB/s
-here). Pages are touched once at allocation so that no page fault lands inside a timed transfer. When
+here). A single buffer is touched once at allocation so that no page fault lands inside a timed
+transfer; a pool is faulted in as it is used, so resident memory grows with use up to its size. When
 CUDA is available the same memory is page-locked with cudaHostRegister, so H2D/D2H copies are async.
 A pool is allocated once and carved with a first-fit free list; nothing is allocated per transfer.
 """
@@ -59,7 +60,8 @@ def as_bytes_view(buf: Any) -> memoryview:
 class AlignedBuffer:
     """One mmap-backed, 2 MiB-aligned block of host memory; exposed as memoryview, numpy and torch."""
 
-    def __init__(self, nbytes: int, *, huge_pages: bool = True, pin: bool | None = None) -> None:
+    def __init__(self, nbytes: int, *, huge_pages: bool = True, pin: bool | None = None,
+                 prefault: bool = True) -> None:
         if nbytes <= 0:
             raise ValueError(f"buffer size must be > 0, got {nbytes}")
         self.nbytes = align_up(nbytes)
@@ -75,7 +77,8 @@ class AlignedBuffer:
             except OSError as exc:
                 log.debug("MADV_HUGEPAGE refused (%s); using normal pages", exc)
         self.view = memoryview(self._map)[self._start : self._start + self.nbytes]
-        np.frombuffer(self.view, dtype=np.uint8).fill(0)  # fault every page in now, not during I/O
+        if prefault:
+            np.frombuffer(self.view, dtype=np.uint8).fill(0)  # fault every page in now, not during I/O
         self.address = base + self._start
         self.pinned = False  # page-locked for CUDA (cudaHostRegister) so copies can be asynchronous
         if pin or pin is None:
@@ -141,8 +144,11 @@ class HostBufferPool:
     and what is free, so callers evict or wait instead of exceeding the host budget.
     """
 
-    def __init__(self, nbytes: int, *, huge_pages: bool = True, pin: bool | None = None) -> None:
-        self.buffer = AlignedBuffer(nbytes, huge_pages=huge_pages, pin=pin)
+    def __init__(self, nbytes: int, *, huge_pages: bool = True, pin: bool | None = None,
+                 prefault: bool = False) -> None:
+        # not prefaulted by default: pages are faulted in as pieces are first used, so resident memory
+        # grows with use up to the budget instead of starting there
+        self.buffer = AlignedBuffer(nbytes, huge_pages=huge_pages, pin=pin, prefault=prefault)
         self.nbytes = self.buffer.nbytes
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size) holes

@@ -1,0 +1,326 @@
+"""The tensor swapper: bit-exact moves between tiers, the ledger and budgets, eviction, concurrency."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiermem.errors import BudgetError
+from tiermem.swap import CorruptDataError, Residency, StateError, TensorSwapper
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 11), (1000,), (17, 129)]
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, dtype in enumerate(DTYPES):
+        for j, shape in enumerate(SHAPES):
+            if dtype.is_floating_point:
+                t = torch.randn(shape, generator=g).to(dtype)
+            else:
+                t = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+            out[f"t{i}_{j}"] = t
+    return out
+
+
+def _swapper(tmp_path, **overrides) -> TensorSwapper:
+    base = {"device": "cpu", "nvme.paths": [str(tmp_path / "swap")], "memory.host_budget": "8MiB",
+            "io.block_size": "64KiB", "io.queue_depth": 8}
+    base.update(overrides)
+    return TensorSwapper(None, **base)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("home", ["nvme", "cpu", "device"])
+@pytest.mark.parametrize("engine", ["io_uring", "threads"])
+def test_round_trip_every_tier_path_bit_exact(tmp_path, home: str, engine: str) -> None:
+    """All dtypes and odd shapes survive add -> host -> device -> evict -> refetch bit-exact."""
+    from tiermem.io.engine import available_backends
+
+    if available_backends()[engine]:
+        pytest.skip(f"{engine}: {available_backends()[engine]}")
+    src = _tensors(1)
+    with _swapper(tmp_path, **{"io.engine": engine}) as sw:
+        part = sw.add("p", src, home=home)
+        assert _same(part.tensors(), src)
+        for _ in range(2):
+            sw.fetch(part, "host").wait()
+            assert _same(part.tensors(), src)
+            got = sw.acquire(part, "device")
+            assert part.state is Residency.DEVICE
+            assert _same(got, src)
+            sw.release(part)
+            sw.evict(part).wait()
+            if home == "nvme":
+                assert part.state is Residency.NVME and part.host is None
+                with pytest.raises(StateError, match="on nvme"):
+                    part.tensors()
+        assert _same(sw.acquire(part), src)
+        sw.release(part)
+
+
+def test_views_not_copies_and_dirty_write_back(tmp_path) -> None:
+    """Tensors are views of the partition; changes released dirty come back after eviction."""
+    with _swapper(tmp_path) as sw:
+        part = sw.add("w", {"a": torch.zeros(1000), "b": torch.ones(10, dtype=torch.bfloat16)})
+        views = sw.acquire(part)
+        again = part.tensors()
+        assert views["a"].data_ptr() == again["a"].data_ptr()
+        views["a"] += 3
+        views["b"].mul_(2)
+        sw.release(part, dirty=True)
+        sw.evict(part).wait()
+        assert part.state is Residency.NVME
+        back = sw.acquire(part)
+        assert torch.equal(back["a"], torch.full((1000,), 3.0))
+        assert torch.equal(back["b"], torch.full((10,), 2.0, dtype=torch.bfloat16))
+        sw.release(part)
+
+
+def test_clean_eviction_skips_the_write(tmp_path) -> None:
+    """Evicting a partition whose NVMe copy is current writes nothing."""
+    with _swapper(tmp_path) as sw:
+        part = sw.add("c", {"x": torch.randn(50_000)})
+        sw.evict(part).wait()  # first eviction: written (new data)
+        written = sw.stats().bytes_written
+        sw.acquire(part)
+        sw.release(part)  # not dirty
+        sw.evict(part).wait()
+        assert sw.stats().bytes_written == written
+        assert sw.stats().bytes_read == part.size
+
+
+def test_lru_eviction_order_under_host_budget(tmp_path) -> None:
+    """With room for three partitions, fetching a fourth evicts the least recently used idle one."""
+    size = 1 * MiB
+    with _swapper(tmp_path, **{"memory.host_budget": "3MiB"}) as sw:
+        parts = [sw.add(f"p{i}", {"x": torch.full((size // 4,), float(i))}) for i in range(3)]
+        for p in parts:
+            sw.evict(p).wait()
+        for i in (0, 1, 2):
+            sw.acquire(parts[i])
+            sw.release(parts[i])
+        sw.acquire(parts[0])  # p0 is now most recent; p1 least recent
+        sw.release(parts[0])
+        extra = sw.add("p3", {"x": torch.full((size // 4,), 3.0)})
+        assert parts[1].state is Residency.NVME
+        assert all(p.state is Residency.HOST for p in (parts[0], parts[2], extra))
+        assert sw.stats().ledger.now["host"] <= 3 * MiB
+
+
+def test_partition_larger_than_budget_names_it(tmp_path) -> None:
+    """A partition bigger than the whole host budget raises BudgetError with its name, size and the key."""
+    with _swapper(tmp_path, **{"memory.host_budget": "1MiB"}) as sw:
+        with pytest.raises(BudgetError) as info:
+            sw.add("huge.layer", {"w": torch.zeros(2 * MiB // 4)})
+    msg = str(info.value)
+    assert "huge.layer" in msg and "2 MiB" in msg and "memory.host_budget" in msg
+
+
+def test_budget_full_of_partitions_in_use_is_an_error_not_a_hang(tmp_path) -> None:
+    """When every byte of the budget is acquired, another acquire fails naming the holders."""
+    with _swapper(tmp_path, **{"memory.host_budget": "2MiB"}) as sw:
+        a = sw.add("a", {"x": torch.zeros(MiB // 4)})
+        b = sw.add("b", {"x": torch.zeros(MiB // 4)})
+        sw.evict(b).wait()
+        sw.acquire(a)
+        c = sw.add("c", {"x": torch.zeros(MiB // 4)})  # evicts nothing: fits
+        sw.acquire(c)
+        with pytest.raises(BudgetError, match="'b'.*held by partitions in use.*a, c"):
+            sw.acquire(b)
+        assert b.waiters == []
+        sw.release(a)
+        sw.acquire(b)  # now a is idle and evictable
+
+
+def test_cpu_home_partitions_count_against_the_budget(tmp_path) -> None:
+    """Host-homed partitions are never evicted; filling the budget with them is a clear error."""
+    with _swapper(tmp_path, **{"memory.host_budget": "2MiB"}) as sw:
+        sw.add("h1", {"x": torch.zeros(MiB // 4)}, home="cpu")
+        sw.add("h2", {"x": torch.zeros(MiB // 4)}, home="cpu")
+        with pytest.raises(BudgetError, match="h1, h2"):
+            sw.add("h3", {"x": torch.zeros(MiB // 4)}, home="cpu")
+
+
+def test_device_budget_demotes_idle_partitions(tmp_path) -> None:
+    """Prefetching beyond memory.device_budget demotes idle device partitions; the ledger stays within it."""
+    with _swapper(tmp_path, **{"memory.device_budget": "2MiB"}) as sw:
+        parts = [sw.add(f"d{i}", {"x": torch.zeros(MiB // 4)}) for i in range(4)]
+        for p in parts:
+            sw.prefetch(p, "device").wait()
+            assert sw.stats().ledger.now["device"] <= 2 * MiB
+        assert [p.state for p in parts[:2]] == [Residency.HOST] * 2
+        assert [p.state for p in parts[2:]] == [Residency.DEVICE] * 2
+        assert sw.stats().ledger.peak["device"] == 2 * MiB
+
+
+def test_many_partitions_in_flight_from_many_threads(tmp_path) -> None:
+    """Forty partitions moved by four threads at once, over a budget of ten, keep their bytes."""
+    with _swapper(tmp_path, **{"memory.host_budget": "2560KiB"}) as sw:
+        parts = [sw.add(f"m{i}", {"x": torch.full((64 * KiB // 4,), float(i)), "i": torch.tensor([i])})
+                 for i in range(40)]
+        sw.flush()
+        errors: list[BaseException] = []
+
+        def worker(k: int) -> None:
+            try:
+                for rep in range(5):
+                    for p in parts[k::4]:
+                        sw.prefetch(p, "host")
+                    for p in parts[k::4]:
+                        t = sw.acquire(p)
+                        i = int(t["i"])
+                        assert torch.equal(t["x"], torch.full((64 * KiB // 4,), float(i) + rep))
+                        t["x"] += 1
+                        sw.release(p, dirty=True)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert sw.stats().ledger.peak["host"] <= 2560 * KiB
+        assert sw.stats().evictions > 0
+
+
+def test_checksum_detects_a_changed_swap_file(tmp_path) -> None:
+    """With nvme.checksum on, bytes altered on disk raise CorruptDataError naming the partition."""
+    with _swapper(tmp_path, **{"nvme.checksum": True}) as sw:
+        part = sw.add("ck", {"x": torch.arange(10_000, dtype=torch.float32)})
+        sw.evict(part).wait()
+        swap = os.path.join(sw.store.run_dirs[0], "swap.bin")
+        assert part.extent is not None
+        with open(swap, "r+b") as f:
+            f.seek(part.extent.start + 100)
+            f.write(b"\xff\xff")
+        with pytest.raises(CorruptDataError, match="'ck'.*checksum"):
+            sw.acquire(part)
+        assert part.state is Residency.NVME and sw.stats().ledger.now["host"] == 0
+
+
+def test_stats_and_reset(tmp_path) -> None:
+    """stats() counts bytes read/written and per-tier peaks; reset_stats() starts a new window."""
+    with _swapper(tmp_path) as sw:
+        part = sw.add("s", {"x": torch.zeros(MiB // 4)})
+        sw.evict(part).wait()
+        sw.acquire(part)
+        s = sw.stats()
+        assert (s.bytes_read, s.bytes_written, s.partitions) == (MiB, MiB, 1)
+        assert s.ledger.peak["host"] == MiB and s.ledger.peak["device"] == MiB and s.ledger.now["nvme"] == MiB
+        sw.release(part)
+        sw.reset_stats()
+        s = sw.stats()
+        assert (s.bytes_read, s.bytes_written) == (0, 0)
+        assert s.ledger.peak["device"] == 0 and s.ledger.peak["host"] == MiB
+
+
+def test_misuse_is_a_clear_error(tmp_path) -> None:
+    """Releasing more than acquired, evicting in use, bad tiers and duplicate names are refused clearly."""
+    with _swapper(tmp_path) as sw:
+        part = sw.add("u", {"x": torch.zeros(10)})
+        with pytest.raises(StateError, match="released more often"):
+            sw.release(part)
+        sw.acquire(part)
+        with pytest.raises(StateError, match="in use"):
+            sw.evict(part)
+        with pytest.raises(ValueError, match="tier"):
+            sw.fetch(part, "disk")
+        with pytest.raises(ValueError, match="exists already"):
+            sw.add("u", {"x": torch.zeros(1)})
+        with pytest.raises(ValueError, match="home"):
+            sw.add("v", {"x": torch.zeros(1)}, home="gpu")
+
+
+def test_remove_gives_back_memory_and_swap(tmp_path) -> None:
+    """remove() frees host memory and the extent, so the ledger and store return to zero."""
+    with _swapper(tmp_path) as sw:
+        part = sw.add("r", {"x": torch.zeros(MiB // 4)})
+        sw.evict(part).wait()
+        sw.remove(part)
+        s = sw.stats()
+        assert s.ledger.now["host"] == 0 and s.ledger.now["nvme"] == 0 and s.partitions == 0
+
+
+def test_host_only_config_touches_no_disk(tmp_path) -> None:
+    """With every tier on host, no swap directory is created."""
+    with TensorSwapper("configs/cpu.yaml", **{"nvme.paths": [str(tmp_path / "never")]}) as sw:
+        part = sw.add("h", {"x": torch.ones(5)}, home="cpu")
+        assert torch.equal(sw.acquire(part)["x"], torch.ones(5))
+        sw.release(part)
+    assert not (tmp_path / "never").exists()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["acquire", "release", "prefetch", "evict", "dirty"]),
+                          st.integers(0, 5)), max_size=40))
+def test_ledger_never_exceeds_budgets_under_random_use(tmp_path_factory, ops) -> None:
+    """Random acquire/release/prefetch/evict keep host and device within budget and every byte intact."""
+    tmp = tmp_path_factory.mktemp("prop")
+    sizes = [96, 200, 300, 512, 64, 128]  # KiB
+    with _swapper(tmp, **{"memory.host_budget": "1MiB", "memory.device_budget": "640KiB"}) as sw:
+        parts = [sw.add(f"q{i}", {"x": torch.full((n * KiB // 4,), float(i))}) for i, n in enumerate(sizes)]
+        expect = [float(i) for i in range(len(sizes))]
+        held: list[int] = []
+        for op, i in ops:
+            p = parts[i]
+            try:
+                if op == "acquire":
+                    t = sw.acquire(p)
+                    held.append(i)
+                    assert torch.equal(t["x"], torch.full_like(t["x"], expect[i]))
+                elif op in ("release", "dirty") and i in held:
+                    if op == "dirty":
+                        p.tensors()["x"].add_(1)
+                        expect[i] += 1
+                    held.remove(i)
+                    sw.release(p, dirty=op == "dirty")
+                elif op == "prefetch":
+                    sw.prefetch(p, "device").wait()
+                elif op == "evict" and i not in held:
+                    sw.evict(p).wait()
+            except BudgetError:
+                pass  # a legitimate refusal: too much is held; the budget must still hold
+            snap = sw.stats().ledger
+            assert snap.now["host"] <= 1 * MiB and snap.now["device"] <= 640 * KiB
+        snap = sw.stats().ledger
+        assert snap.peak["host"] <= 1 * MiB and snap.peak["device"] <= 640 * KiB
+        for i in list(held):
+            sw.release(parts[i])
+        for i, p in enumerate(parts):
+            t = sw.acquire(p, "host")
+            assert torch.equal(t["x"], torch.full_like(t["x"], expect[i]))
+            sw.release(p)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip_through_pinned_host(tmp_path) -> None:
+    """On CUDA, partitions reach the device through pinned buffers and come back bit-exact when dirty."""
+    src = _tensors(3)
+    with _swapper(tmp_path, device="cuda") as sw:
+        assert sw.pool.buffer.pinned
+        part = sw.add("g", src)
+        sw.evict(part).wait()
+        got = sw.acquire(part)
+        assert all(t.is_cuda for t in got.values())
+        assert _same({k: v.cpu() for k, v in got.items()}, src)
+        got["t0_3"].add_(1)
+        sw.release(part, dirty=True)
+        sw.evict(part).wait()
+        back = sw.acquire(part, "host")
+        assert torch.equal(back["t0_3"], src["t0_3"] + 1)
+        sw.release(part)

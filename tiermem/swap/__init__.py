@@ -1,0 +1,21 @@
+"""The tensor swapper: partitions of tensors placed in tiers (device, host, NVMe) and moved asynchronously."""
+
+from tiermem.swap.layout import Layout, TensorSlot
+from tiermem.swap.ledger import Ledger, LedgerSnapshot
+from tiermem.swap.partition import Partition, StateError
+from tiermem.swap.state import Residency, Tier
+from tiermem.swap.swapper import CorruptDataError, SwapStats, TensorSwapper
+
+__all__ = [
+    "CorruptDataError",
+    "Layout",
+    "Ledger",
+    "LedgerSnapshot",
+    "Partition",
+    "Residency",
+    "StateError",
+    "SwapStats",
+    "TensorSlot",
+    "Tier",
+    "TensorSwapper",
+]

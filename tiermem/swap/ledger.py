@@ -1,0 +1,58 @@
+"""Byte accounting per tier, now and at peak, with the budgets that bound it."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from tiermem.errors import BudgetError
+from tiermem.sizes import format_size
+
+TIERS = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    """Bytes per tier at one moment (`now`) and the most since the last reset (`peak`)."""
+
+    now: dict[str, int]
+    peak: dict[str, int]
+    budget: dict[str, int | None]
+
+
+class Ledger:
+    """Counts bytes held per tier. Going over a budget is a bug in the caller, so it raises."""
+
+    def __init__(self, *, host_budget: int | None = None, device_budget: int | None = None) -> None:
+        self._lock = threading.Lock()
+        self.budget: dict[str, int | None] = {"device": device_budget, "host": host_budget, "nvme": None}
+        self._now = dict.fromkeys(TIERS, 0)  # bytes held now
+        self._peak = dict.fromkeys(TIERS, 0)  # most bytes held since the last reset
+
+    def add(self, tier: str, nbytes: int, what: str = "") -> None:
+        with self._lock:
+            total = self._now[tier] + nbytes
+            limit = self.budget[tier]
+            if limit is not None and total > limit:
+                raise BudgetError(f"{what}: {tier} would hold {format_size(total)}, over its budget of "
+                                  f"{format_size(limit)}")
+            self._now[tier] = total
+            self._peak[tier] = max(self._peak[tier], total)
+
+    def sub(self, tier: str, nbytes: int) -> None:
+        with self._lock:
+            self._now[tier] -= nbytes
+            if self._now[tier] < 0:
+                raise AssertionError(f"ledger for {tier} went negative")
+
+    def now(self, tier: str) -> int:
+        return self._now[tier]
+
+    def snapshot(self) -> LedgerSnapshot:
+        with self._lock:
+            return LedgerSnapshot(dict(self._now), dict(self._peak), dict(self.budget))
+
+    def reset_peaks(self) -> None:
+        """Start a new measuring window: peaks restart from what is held now."""
+        with self._lock:
+            self._peak = dict(self._now)
