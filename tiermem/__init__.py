@@ -7,6 +7,7 @@ from tiermem.io.buffers import AlignedBuffer, HostBufferPool
 from tiermem.io.engine import IOEngine, ReadPastEndError, available_backends, create_engine
 from tiermem.io.files import IOFile
 from tiermem.io.future import IOFuture
+from tiermem.offload import OffloadError, OffloadHandle, tiered_offload
 from tiermem.sizes import format_size, parse_size
 from tiermem.store import Extent, SwapStore
 from tiermem.swap import Partition, Residency, SwapStats, TensorSwapper, Tier
@@ -38,4 +39,7 @@ __all__ = [
     "format_size",
     "load_config",
     "parse_size",
+    "tiered_offload",
+    "OffloadHandle",
+    "OffloadError",
 ]

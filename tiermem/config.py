@@ -514,15 +514,6 @@ class Config:
             )
         for i, path in enumerate(self.nvme.paths):
             _check_writable_dir(f"nvme.paths[{i}]", path)
-        # Rule 5: every in-flight request pins one block-sized host buffer.
-        in_flight = self.io.block_size * self.io.queue_depth
-        if self.memory.host_budget < in_flight:
-            raise ConfigError(
-                f"memory.host_budget: expected at least io.block_size * io.queue_depth"
-                f" = {_human_size(in_flight)} (the pinned buffers of requests in flight), got"
-                f" {_human_size(self.memory.host_budget)}; raise memory.host_budget or lower"
-                " io.block_size or io.queue_depth"
-            )
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as plain YAML-able values: sizes as exact strings like ``"1MiB"``

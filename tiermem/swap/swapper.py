@@ -17,9 +17,10 @@ larger than the whole budget, or a budget full of partitions in use, raises Budg
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,8 @@ class TensorSwapper:
             swapper.release(part, dirty=True)           # changed: written back when evicted
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | str | None = None, **overrides: Any) -> None:
+    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                 **overrides: Any) -> None:
         self.config = load_config(config, **overrides)
         cfg = self.config
         self.device = resolve_device(cfg.device)
@@ -89,8 +91,22 @@ class TensorSwapper:
         self.bytes_written = 0
         self.evictions = 0
         self.closed = False
+        # Optional: how soon a partition is needed again (larger = later). With it, eviction drops the
+        # partition needed last (the runtime knows the schedule); without it, the least recently used.
+        self.next_use: Callable[[Partition], float] | None = None
 
     # -- NVMe resources, made lazily so host-only configs never touch a disk --------------------------
+    @property
+    def engine(self) -> IOEngine:
+        """The I/O engine (io.* settings), made on first use; the host pool is registered with it."""
+        with self._lock:
+            if self._engine is None:
+                io = self.config.io
+                self._engine = create_engine(io.engine, block_size=io.block_size, queue_depth=io.queue_depth,
+                                             sqpoll=io.sqpoll)
+                self._engine.register_buffers(self.pool.regions)
+            return self._engine
+
     @property
     def store(self) -> SwapStore:
         with self._lock:
@@ -99,20 +115,20 @@ class TensorSwapper:
     def _open_store(self) -> SwapStore:
         if self._store is None:
             io = self.config.io
-            self._engine = create_engine(io.engine, block_size=io.block_size, queue_depth=io.queue_depth,
-                                         sqpoll=io.sqpoll)
-            self._engine.register_buffers(self.pool.regions)
             nv = self.config.nvme
-            self._store = SwapStore(list(nv.paths), self._engine, stripe_size=nv.stripe_size,
+            self._store = SwapStore(list(nv.paths), self.engine, stripe_size=nv.stripe_size,
                                     keep_files=nv.keep_files, direct=io.direct)
         return self._store
 
     # -- partitions ---------------------------------------------------------------------------------
     def add(self, name: str, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-            home: str | Tier = Tier.NVME) -> Partition:
+            home: str | Tier = Tier.NVME,
+            fill: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Partition:
         """Pack `tensors` (copied) into a new partition resting in `home` ('device', 'cpu' or 'nvme').
 
-        An NVMe partition starts on host, dirty, and is written out when evicted or on `flush()`.
+        With `fill`, `tensors` only give names, dtypes and shapes (meta tensors will do) and
+        `fill(views)` writes the data into the partition's views instead. An NVMe partition starts on
+        host, dirty, and is written out when evicted or on `flush()`.
         """
         if self.closed:
             raise StateError("the swapper is closed")
@@ -134,9 +150,20 @@ class TensorSwapper:
             if part.extent is not None:
                 self.store.free(part.extent)
             raise
-        with torch.no_grad():
-            for slot_name, t in items:
-                views[slot_name].copy_(t.detach())
+        try:
+            with torch.no_grad():
+                if fill is not None:
+                    fill(views)
+                else:
+                    for slot_name, t in items:
+                        views[slot_name].copy_(t.detach())
+        except BaseException:
+            with self._lock:
+                self._drop_device(part)
+                self._free_host(part)
+                if part.extent is not None:
+                    self.store.free(part.extent)
+            raise
         part.dirty = tier is Tier.NVME
         with self._lock:
             self._clock += 1
@@ -177,8 +204,12 @@ class TensorSwapper:
             del self.partitions[part.name]
 
     # -- moving -------------------------------------------------------------------------------------
-    def fetch(self, part: Partition, tier: str = "device") -> IOFuture:
-        """Start moving `part` up to `tier` ('host' or 'device'); return a future that completes there."""
+    def fetch(self, part: Partition, tier: str = "device", *, wait_for_memory: bool = True) -> IOFuture:
+        """Start moving `part` up to `tier` ('host' or 'device'); return a future that completes there.
+
+        `wait_for_memory=False` raises BudgetError at once instead of waiting for write-backs or reads
+        in flight to free host memory (what a prefetch wants: never stall the caller).
+        """
         if tier not in ("host", "device"):
             raise ValueError(f"tier: expected 'host' or 'device', got {tier!r}")
         with self._lock:
@@ -192,7 +223,7 @@ class TensorSwapper:
             need_buffer = part.state is Residency.NVME
         if need_buffer:
             try:
-                buf = self._alloc_host(part)  # may evict others and wait for their write-back
+                buf = self._alloc_host(part, wait=wait_for_memory)  # may evict others, wait for write-backs
             except BaseException:
                 with self._lock:
                     part.waiters = [(t, f) for t, f in part.waiters if f is not fut]
@@ -207,9 +238,12 @@ class TensorSwapper:
             self._drive(part)
         return fut
 
-    def prefetch(self, part: Partition, tier: str = "device") -> IOFuture:
-        """Same as fetch: named for calls whose future is not waited on right away."""
-        return self.fetch(part, tier)
+    def prefetch(self, part: Partition, tier: str = "device") -> IOFuture | None:
+        """Start a fetch that never blocks: None (nothing started) when host memory is not free now."""
+        try:
+            return self.fetch(part, tier, wait_for_memory=False)
+        except BudgetError:
+            return None
 
     def acquire(self, part: Partition, tier: str = "device") -> dict[str, torch.Tensor]:
         """Bring `part` to `tier`, wait, mark it in use, and return its tensors there (views)."""
@@ -225,11 +259,11 @@ class TensorSwapper:
         self.mover.make_current_wait(part.ready_event)
         return part.tensors()
 
-    def release(self, part: Partition, *, dirty: bool = False) -> None:
+    def release(self, part: Partition, *, dirty: bool = False, keep: bool = False) -> None:
         """End one use. `dirty`: its tensors changed and must reach its home tier when evicted.
 
-        When nobody uses it any more, it leaves the device (its home tier permitting) but stays on host
-        as a cache until the host budget needs the room.
+        When nobody uses it any more, it leaves the device (its home tier permitting) unless `keep`
+        (it is needed again soon), and stays on host as a cache until the host budget needs the room.
         """
         with self._lock:
             if part.users <= 0:
@@ -241,7 +275,13 @@ class TensorSwapper:
                 if part.state is Residency.DEVICE and part.device_data is not None and part.host is not None:
                     self.mover.synchronize(self.mover.to_host(part.device_data, part.host.tensor()))
                 part.dirty = part.home is Tier.NVME
-            if part.users == 0 and part.home is not Tier.DEVICE:
+            if part.users == 0 and part.home is not Tier.DEVICE and not keep:
+                self._demote_to_host(part)
+
+    def demote(self, part: Partition) -> None:
+        """Move an idle partition off the device (to host); nothing happens if it is in use or not there."""
+        with self._lock:
+            if not part.users and part.home is not Tier.DEVICE:
                 self._demote_to_host(part)
 
     def evict(self, part: Partition) -> IOFuture:
@@ -423,7 +463,7 @@ class TensorSwapper:
             self.ledger.sub("host", part.size)
             part.host = None
 
-    def _alloc_host(self, part: Partition) -> PoolBuffer:
+    def _alloc_host(self, part: Partition, *, wait: bool = True) -> PoolBuffer:
         """A host buffer for `part`, evicting LRU idle NVMe partitions (and waiting for write-backs)."""
         budget = self.pool.nbytes
         if part.size > budget:
@@ -440,7 +480,7 @@ class TensorSwapper:
                     pass
                 victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
                                   and p.state in (Residency.HOST, Residency.DEVICE) and not p.users
-                                  and not p.waiters), key=lambda p: p.last_used)
+                                  and not p.waiters), key=self._eviction_key)
                 if victims:
                     self._demote_to_host(victims[0])  # a prefetched partition nobody acquired yet
                     wait_for = self._start_eviction(victims[0])
@@ -455,10 +495,17 @@ class TensorSwapper:
                             "raise memory.host_budget"
                         )
                     wait_for = busy[0].pending  # type: ignore[assignment]
+                if not wait and not wait_for.done():
+                    raise BudgetError(f"no host memory free now for partition {part.name!r}")
             try:
                 wait_for.wait()  # without the lock: the completion needs it
             except Exception as exc:  # a failed write-back keeps its data; report it to this caller
                 raise StoreError(f"could not free host memory for partition {part.name!r}: {exc}") from exc
+
+    def _eviction_key(self, part: Partition) -> tuple[float, int]:
+        """Sort key of eviction candidates: needed last first, then least recently used."""
+        later = -self.next_use(part) if self.next_use is not None else 0.0
+        return (later, part.last_used)
 
     # -- reporting and teardown ---------------------------------------------------------------------
     def stats(self) -> SwapStats:

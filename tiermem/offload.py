@@ -1,0 +1,261 @@
+"""`tiered_offload`: the public entry point. Wraps any nn.Module so its parameters live in tiers.
+
+Example::
+
+    import tiermem
+    model = build_model()                      # any nn.Module, e.g. a transformers model
+    with tiermem.tiered_offload(model, "configs/nvme.yaml") as tm:
+        out = model(input_ids)                 # ordinary PyTorch code, unchanged
+        ids = model.generate(input_ids, max_new_tokens=20)
+        print(tm.stats())
+    # on exit the parameters are ordinary tensors again (same Parameter objects, same values)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiermem.config import Config
+from tiermem.errors import TiermemError
+from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint
+from tiermem.runtime.runtime import Runtime
+from tiermem.runtime.unit import Unit
+from tiermem.runtime.wrap import UnitPlan, dtype_of, plan_units
+from tiermem.swap import TensorSwapper
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_tiermem_offload"  # set on a model while it is inside tiered_offload
+
+
+class OffloadError(TiermemError):
+    """The model cannot be offloaded as asked (already wrapped, meta parameters without a checkpoint...)."""
+
+
+class OffloadHandle:
+    """What `with tiered_offload(...) as tm` yields: statistics and controls of the running offload."""
+
+    def __init__(self, model: nn.Module, swapper: TensorSwapper, runtime: Runtime) -> None:
+        self.model = model
+        self.swapper = swapper
+        self.runtime = runtime
+        self.config: Config = swapper.config
+
+    @property
+    def units(self) -> list[Unit]:
+        return self.runtime.units
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since entry or the last `reset_stats()`.
+
+        Keys: ``peak_bytes`` ({'device', 'host', 'nvme'}), ``now_bytes`` (same keys), ``bytes_read``,
+        ``bytes_written``, ``stall_seconds`` (time forward waited for parameters), ``prefetch_hits``,
+        ``prefetch_misses``, ``retraces`` (times the execution order was recorded again), ``passes``
+        (top-level forwards), ``units`` (how many) and ``largest_unit_bytes``.
+        """
+        s = self.swapper.stats()
+        rt = self.runtime
+        return {
+            "peak_bytes": dict(s.ledger.peak),
+            "now_bytes": dict(s.ledger.now),
+            "bytes_read": s.bytes_read,
+            "bytes_written": s.bytes_written,
+            "stall_seconds": rt.stall_seconds,
+            "prefetch_hits": rt.prefetch_hits,
+            "prefetch_misses": rt.prefetch_misses,
+            "retraces": rt.schedule.retraces,
+            "passes": rt.passes,
+            "units": len(rt.units),
+            "largest_unit_bytes": max((u.nbytes for u in rt.units), default=0),
+            "evictions": s.evictions,
+        }
+
+    def reset_stats(self) -> None:
+        """Start a new measuring window (peaks restart from what is held now)."""
+        self.swapper.reset_stats()
+        self.runtime.reset_stats()
+
+    @contextmanager
+    def gathered(self, *modules: nn.Module) -> Iterator[None]:
+        """Make the parameters of `modules` (default: the whole model) real tensors for a block of code
+        outside forward, e.g. to inspect or edit weights; edits are kept (written back as needed)."""
+        wanted = modules or (self.model,)
+        ids = {id(p) for m in wanted for p in m.parameters()}
+        indices = [u.index for u in self.units if any(id(p) in ids for _, p in u.params)]
+        self.runtime.gather(indices)
+        try:
+            yield
+        finally:
+            self.runtime.scatter(indices, dirty=True)
+
+
+@contextmanager
+def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
+                   checkpoint: str | os.PathLike[str] | None = None, restore: bool = True, prefetch: bool = True,
+                   **overrides: Any) -> Iterator[OffloadHandle]:
+    """Run `model` with its parameters in tiers (device, host, NVMe) as the config says.
+
+    Args:
+        model: any nn.Module (a transformers model included), on the CPU or the meta device.
+        config: a swap-config: YAML path, dict, Config or None (defaults); see docs/config.md.
+        checkpoint: a .safetensors file or *.safetensors.index.json to stream the weights from, for a
+            model built on the meta device (one too large for host RAM). Tensors are read one unit at
+            a time straight into swap.
+        restore: on exit, make the parameters ordinary tensors again (same Parameter objects, same
+            values). False leaves them on the meta device (for a model too large to hold in RAM).
+        prefetch: False turns off execution-order prefetch (every unit is read when needed).
+        **overrides: dotted config keys, e.g. ``**{"prefetch.depth": 4}`` or ``prefetch__depth=4``.
+
+    Yields:
+        an OffloadHandle (`tm`) with ``stats()``, ``reset_stats()`` and ``gathered()``.
+    """
+    if getattr(model, _ATTR, None) is not None:
+        raise OffloadError(f"{type(model).__name__} is already inside tiered_offload; exit that context before "
+                           "entering another on the same model")
+    for name, mod in model.named_modules():
+        if getattr(mod, _ATTR, None) is not None:
+            raise OffloadError(f"submodule {name!r} of {type(model).__name__} is already inside tiered_offload; "
+                               "offload the whole model once instead")
+    swapper = TensorSwapper(config, **overrides)
+    handle: OffloadHandle | None = None
+    try:
+        runtime = _pack(model, swapper, checkpoint, prefetch)
+        handle = OffloadHandle(model, swapper, runtime)
+        setattr(model, _ATTR, handle)
+        runtime.register_hooks()
+        handle.reset_stats()
+        log.info("tiered_offload: %d units on %s, params.tier=%s", len(runtime.units), swapper.device,
+                 swapper.config.params.tier)
+        yield handle
+    finally:
+        try:
+            if handle is not None:
+                handle.runtime.remove_hooks()
+                _unpack(handle, restore)
+        finally:
+            if getattr(model, _ATTR, None) is handle:
+                delattr(model, _ATTR)
+            swapper.close()
+
+
+# -- entry ------------------------------------------------------------------------------------------
+def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLike[str] | None,
+          prefetch: bool) -> Runtime:
+    cfg = swapper.config
+    plan = plan_units(model, cfg.wrap.classes, cfg.wrap.min_unit_bytes)
+    ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
+    if ckpt is None:
+        meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if meta:
+            raise OffloadError(f"parameter {meta[0]!r} (and {len(meta) - 1} more) is on the meta device; pass "
+                               "checkpoint=PATH to stream its weights, or build the model with real weights")
+    override = dtype_of(cfg.params.dtype)
+    device = swapper.device
+    units: list[Unit] = []
+    try:
+        _move_buffers(model, device, ckpt, swapper)
+        for index, up in enumerate(plan.units):
+            units.append(_pack_unit(index, up, swapper, ckpt, override, plan.aliases))
+    except BaseException:
+        for u in units:  # give the parameters back before failing: nothing is lost
+            _restore_unit(u, swapper)
+        raise
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    swapper.flush()  # every NVMe partition is on disk before the first forward
+    return Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
+
+
+def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, ckpt: SafetensorsCheckpoint | None,
+               override: torch.dtype | None, aliases: dict[str, str]) -> Unit:
+    def storage_dtype(p: nn.Parameter) -> torch.dtype:
+        return override if override is not None and p.is_floating_point() else p.dtype
+
+    specs = [(fqn, torch.empty(p.shape, dtype=storage_dtype(p), device="meta")) for fqn, p in up.params.items()]
+
+    def fill(views: dict[str, torch.Tensor]) -> None:
+        for fqn, p in up.params.items():
+            if ckpt is not None:
+                ckpt.read_into(swapper.engine, _checkpoint_name(fqn, ckpt, aliases), views[fqn])
+            else:
+                views[fqn].copy_(p.detach())
+
+    part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill)
+    unit = Unit(index, up.name, list(up.params.items()), part, swapper.device)
+    unit.unbind()  # the model's own storage for these parameters is dropped here, unit by unit
+    return unit
+
+
+def _checkpoint_name(fqn: str, ckpt: SafetensorsCheckpoint, aliases: dict[str, str]) -> str:
+    if fqn in ckpt.entries:
+        return fqn
+    for alias, target in aliases.items():
+        if target == fqn and alias in ckpt.entries:
+            return alias
+    raise CheckpointError(f"parameter {fqn!r} is not in checkpoint {ckpt.path}; it holds e.g. "
+                          f"{', '.join(list(ckpt.entries)[:5])}. Was it saved from this model?")
+
+
+def _move_buffers(model: nn.Module, device: torch.device, ckpt: SafetensorsCheckpoint | None,
+                  swapper: TensorSwapper) -> None:
+    """Buffers stay resident on the compute device (they are small); meta buffers come from the checkpoint."""
+    for mod_name, mod in model.named_modules():
+        for name, buf in list(mod._buffers.items()):
+            if buf is None:
+                continue
+            fqn = f"{mod_name}.{name}" if mod_name else name
+            if buf.is_meta:
+                if ckpt is None or fqn not in ckpt.entries:
+                    raise OffloadError(f"buffer {fqn!r} is on the meta device and not in the checkpoint; build the "
+                                       "model with real buffers (e.g. accelerate's init_empty_weights("
+                                       "include_buffers=False))")
+                real = torch.empty(buf.shape, dtype=buf.dtype)
+                ckpt.read_into(swapper.engine, fqn, real)
+                buf = real
+            mod._buffers[name] = buf.to(device)
+
+
+# -- exit -------------------------------------------------------------------------------------------
+def _unpack(handle: OffloadHandle, restore: bool) -> None:
+    if not restore:
+        _to_meta(handle.model, handle.units)
+        return
+    for unit in handle.units:
+        _restore_unit(unit, handle.swapper)
+
+
+def _restore_unit(unit: Unit, swapper: TensorSwapper) -> None:
+    """Give the unit's Parameter objects ordinary storage again, with their values, dtype and device."""
+    tensors = swapper.acquire(unit.partition, "host")
+    try:
+        with torch.no_grad():
+            for (fqn, p), (dtype, device) in zip(unit.params, unit.orig, strict=True):
+                if device.type == "meta":
+                    device = torch.device("cpu")  # streamed from a checkpoint: materialise on the CPU
+                p.data = tensors[fqn].to(device=device, dtype=dtype, copy=True)
+    finally:
+        swapper.release(unit.partition)
+
+
+def _to_meta(model: nn.Module, units: list[Unit]) -> None:
+    """Replace every offloaded parameter with a meta-device Parameter of its shape (ties kept)."""
+    shapes = {id(p): (shape, dtype) for u in units
+              for (_, p), shape, (dtype, _) in zip(u.params, u.shapes, u.orig, strict=True)}
+    made: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or id(p) not in shapes:
+                continue
+            if id(p) not in made:
+                shape, dtype = shapes[id(p)]
+                made[id(p)] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
+                                           requires_grad=p.requires_grad)
+            mod._parameters[name] = made[id(p)]

@@ -1,0 +1,129 @@
+"""Streaming safetensors checkpoints straight into partitions, one tensor at a time.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header mapping each tensor name to
+its dtype, shape and byte range, then the raw bytes. Reading a tensor is one positioned read of its
+range into its slot in the partition; nothing else of the file is held in memory, so a model larger
+than host RAM loads with memory bounded by the host budget. A sharded checkpoint is a
+`*.safetensors.index.json` whose `weight_map` names the file holding each tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from tiermem.errors import TiermemError
+from tiermem.io.engine import IOEngine
+from tiermem.io.files import IOFile
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER = 100 << 20
+
+
+class CheckpointError(TiermemError):
+    """A checkpoint is missing, unreadable, corrupt, or does not match the model."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor's bytes are: file, byte offset, length, dtype and shape."""
+
+    path: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class SafetensorsCheckpoint:
+    """The tensor index of a safetensors file or sharded index, and reads of single tensors."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise CheckpointError(f"checkpoint {self.path} does not exist; pass the path of a .safetensors file "
+                                  "or of a *.safetensors.index.json")
+        self.entries: dict[str, Entry] = {}
+        if self.path.endswith(".json"):
+            index = _load_json(self.path)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{self.path}: no 'weight_map' object; is this a safetensors index?")
+            base = os.path.dirname(self.path)
+            for shard in sorted(set(weight_map.values())):
+                self._read_header(os.path.join(base, shard))
+            missing = [k for k, f in weight_map.items() if k not in self.entries]
+            if missing:
+                raise CheckpointError(f"{self.path}: tensors {missing[:5]} are listed in the index but not in their "
+                                      "shard files; the checkpoint is incomplete")
+        else:
+            self._read_header(self.path)
+        self._files: dict[str, IOFile] = {}  # open shards, by path
+
+    def _read_header(self, path: str) -> None:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) != 8:
+                    raise CheckpointError(f"{path}: too short to be a safetensors file")
+                (n,) = struct.unpack("<Q", raw)
+                if n > MAX_HEADER:
+                    raise CheckpointError(f"{path}: header of {n} bytes; the file is not safetensors or is corrupt")
+                header = json.loads(f.read(n))
+                size = os.fstat(f.fileno()).st_size
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
+        base = 8 + n
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _DTYPES[meta["dtype"]]
+                begin, end = meta["data_offsets"]
+                shape = tuple(int(d) for d in meta["shape"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {meta!r}") from None
+            if base + end > size or begin > end:
+                raise CheckpointError(f"{path}: tensor {name!r} lies past the end of the file; it is truncated")
+            self.entries[name] = Entry(path, base + begin, end - begin, dtype, shape)
+
+    def read_into(self, engine: IOEngine, name: str, target: torch.Tensor) -> None:
+        """Read tensor `name` into `target` (a CPU tensor of the same shape), converting its dtype if needed."""
+        e = self.entries[name]
+        if tuple(target.shape) != e.shape:
+            raise CheckpointError(f"{e.path}: tensor {name!r} has shape {list(e.shape)} but the model's parameter "
+                                  f"has {list(target.shape)}; the checkpoint was saved from another model config")
+        f = self._files.get(e.path)
+        if f is None:
+            f = self._files[e.path] = IOFile(e.path, "r", direct=False)
+        if target.dtype == e.dtype and target.is_contiguous():
+            engine.read(f, target, e.offset, e.nbytes).wait()
+            return
+        tmp = torch.empty(e.shape, dtype=e.dtype)
+        engine.read(f, tmp, e.offset, e.nbytes).wait()
+        target.copy_(tmp)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _load_json(path: str) -> object:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None

@@ -1,0 +1,99 @@
+"""The execution-order schedule: record the order units are used, then predict what comes next.
+
+# [Note: prefetch window]
+The first pass records the order in which units are acquired. Later acquisitions walk that order
+cyclically (the next pass starts where the last one ended, so generate()'s steps chain), and each
+acquisition returns the window: the next `depth` units of the order, cut where their bytes would pass
+`max_bytes`. The runtime prefetches the window, keeps a released unit resident when the window holds
+it again (tied weights, a layer used twice, an encoder reused by a decoder), and demotes idle resident
+units outside it, so the device holds at most the units in use plus the window.
+
+When an acquisition is not the predicted unit, it is a miss: the schedule resynchronises at the next
+place that unit occurs in the order (a skipped layer); if the unit is not in the order at all, or
+misses pile up in one pass (the order really changed: dynamic control flow, another input shape), the
+order is recorded afresh from the next pass on. Results never depend on the schedule, only speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+MAX_MISSES_PER_PASS = 3
+
+
+class Schedule:
+    """Recorded unit order plus a cursor; counts hits, misses and re-recordings."""
+
+    def __init__(self, depth: int, max_bytes: int | None, unit_bytes: Callable[[int], int]) -> None:
+        self.depth = depth
+        self.max_bytes = max_bytes
+        self.unit_bytes = unit_bytes
+        self.order: list[int] = []  # the recorded order; empty until the first pass ends
+        self._recording: list[int] | None = []  # the order being recorded this pass, or None
+        self.pos = 0  # index in `order` of the acquisition we expect next
+        self.misses_this_pass = 0
+        self.hits = 0  # acquisitions that matched the prediction
+        self.misses = 0  # acquisitions that did not (and any made while recording after the first pass)
+        self.retraces = 0  # times the order was recorded again
+
+    @property
+    def recording(self) -> bool:
+        return self._recording is not None
+
+    def on_acquire(self, unit: int) -> list[int]:
+        """Note that `unit` is being acquired; return the window of units to have ready next."""
+        if self._recording is not None:
+            self._recording.append(unit)
+            return []
+        n = len(self.order)
+        if self.order[self.pos % n] == unit:
+            self.hits += 1
+            self.pos = (self.pos + 1) % n
+        else:
+            self.misses += 1
+            self.misses_this_pass += 1
+            nxt = self._find(unit)
+            if nxt is None or self.misses_this_pass > MAX_MISSES_PER_PASS:
+                self._recording = []  # the order changed: record it anew from the next pass
+                self.retraces += 1
+                return []
+            self.pos = (nxt + 1) % n
+        return self.window()
+
+    def window(self) -> list[int]:
+        """The next `depth` distinct units after the cursor, cut at `max_bytes`."""
+        out: list[int] = []
+        total = 0
+        n = len(self.order)
+        for k in range(n):
+            if len(out) >= self.depth:
+                break
+            u = self.order[(self.pos + k) % n]
+            if u in out:
+                continue
+            total += self.unit_bytes(u)
+            if self.max_bytes is not None and total > self.max_bytes:
+                break
+            out.append(u)
+        return out
+
+    def on_pass_end(self) -> list[int]:
+        """A pass (one top-level forward) ended: finish a recording, rewind to the order's start, and
+        return the window that the next pass begins with."""
+        self.misses_this_pass = 0
+        if self._recording is not None:
+            if not self._recording:
+                return []
+            self.order, self._recording = self._recording, None
+        if not self.order:
+            return []
+        self.pos = 0
+        return self.window()
+
+    def _find(self, unit: int) -> int | None:
+        n = len(self.order)
+        for k in range(1, n + 1):
+            i = (self.pos + k) % n
+            if self.order[i] == unit:
+                return i
+        return None
