@@ -23,11 +23,14 @@ import torch
 from torch import nn
 
 from tiermem.config import Config
-from tiermem.errors import TiermemError
+from tiermem.errors import BudgetError, TiermemError
+from tiermem.io.buffers import align_up
+from tiermem.io.engine import IOEngine
 from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint
 from tiermem.runtime.runtime import Runtime
 from tiermem.runtime.unit import Unit
-from tiermem.runtime.wrap import UnitPlan, dtype_of, plan_units
+from tiermem.runtime.wrap import UnitPlan, WrapPlan, dtype_of, plan_units
+from tiermem.sizes import format_size
 from tiermem.swap import TensorSwapper
 
 log = logging.getLogger(__name__)
@@ -99,7 +102,7 @@ class OffloadHandle:
 @contextmanager
 def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
                    checkpoint: str | os.PathLike[str] | None = None, restore: bool = True, prefetch: bool = True,
-                   **overrides: Any) -> Iterator[OffloadHandle]:
+                   engine: IOEngine | None = None, **overrides: Any) -> Iterator[OffloadHandle]:
     """Run `model` with its parameters in tiers (device, host, NVMe) as the config says.
 
     Args:
@@ -111,6 +114,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         restore: on exit, make the parameters ordinary tensors again (same Parameter objects, same
             values). False leaves them on the meta device (for a model too large to hold in RAM).
         prefetch: False turns off execution-order prefetch (every unit is read when needed).
+        engine: an I/O engine to share instead of building one from the io.* settings.
         **overrides: dotted config keys, e.g. ``**{"prefetch.depth": 4}`` or ``prefetch__depth=4``.
 
     Yields:
@@ -123,7 +127,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         if getattr(mod, _ATTR, None) is not None:
             raise OffloadError(f"submodule {name!r} of {type(model).__name__} is already inside tiered_offload; "
                                "offload the whole model once instead")
-    swapper = TensorSwapper(config, **overrides)
+    swapper = TensorSwapper(config, engine=engine, **overrides)
     handle: OffloadHandle | None = None
     try:
         runtime = _pack(model, swapper, checkpoint, prefetch)
@@ -140,7 +144,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                 handle.runtime.remove_hooks()
                 _unpack(handle, restore)
         finally:
-            if getattr(model, _ATTR, None) is handle:
+            if handle is not None and getattr(model, _ATTR, None) is handle:
                 delattr(model, _ATTR)
             swapper.close()
 
@@ -149,8 +153,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
 def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLike[str] | None,
           prefetch: bool) -> Runtime:
     cfg = swapper.config
-    plan = plan_units(model, cfg.wrap.classes, cfg.wrap.min_unit_bytes)
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
+    if ckpt is not None and callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()  # as from_pretrained does: a model built empty may not have its ties yet
+    plan = plan_units(model, cfg.wrap.classes, cfg.wrap.min_unit_bytes)
     if ckpt is None:
         meta = [n for n, p in model.named_parameters() if p.is_meta]
         if meta:
@@ -158,11 +164,17 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
                                "checkpoint=PATH to stream its weights, or build the model with real weights")
     override = dtype_of(cfg.params.dtype)
     device = swapper.device
+    _check_fits(plan, swapper, override)
     units: list[Unit] = []
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # id(param) -> (module, attribute) holding it
+    for mod in model.modules():
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((mod, pname))
     try:
         _move_buffers(model, device, ckpt, swapper)
         for index, up in enumerate(plan.units):
-            units.append(_pack_unit(index, up, swapper, ckpt, override, plan.aliases))
+            units.append(_pack_unit(index, up, swapper, ckpt, override, plan.aliases, holders))
     except BaseException:
         for u in units:  # give the parameters back before failing: nothing is lost
             _restore_unit(u, swapper)
@@ -174,8 +186,26 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
     return Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
 
 
+def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | None) -> None:
+    """Tiers that hold every parameter in host memory must fit the host budget: say so before packing."""
+    cfg = swapper.config
+    in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device" and not swapper.mover.copies)
+    if not in_host:
+        return
+    total = sum(align_up(sum(p.numel() * (torch.empty(0, dtype=override).element_size()
+                                          if override is not None and p.is_floating_point() else p.element_size())
+                             for p in u.params.values()) + 64 * len(u.params)) for u in plan.units)
+    if total > swapper.pool.nbytes:
+        raise BudgetError(
+            f"params.tier: {cfg.params.tier} keeps every parameter in host memory here, {format_size(total)}, but "
+            f"memory.host_budget is {format_size(swapper.pool.nbytes)}; raise memory.host_budget or set "
+            "params.tier: nvme"
+        )
+
+
 def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, ckpt: SafetensorsCheckpoint | None,
-               override: torch.dtype | None, aliases: dict[str, str]) -> Unit:
+               override: torch.dtype | None, aliases: dict[str, str],
+               holders: dict[int, list[tuple[nn.Module, str]]]) -> Unit:
     def storage_dtype(p: nn.Parameter) -> torch.dtype:
         return override if override is not None and p.is_floating_point() else p.dtype
 
@@ -190,6 +220,12 @@ def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, ckpt: Safetenso
 
     part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill)
     unit = Unit(index, up.name, list(up.params.items()), part, swapper.device)
+    for k, (fqn, p) in enumerate(unit.params):
+        if p.is_meta:  # a meta tensor cannot take real storage through .data: give it a real Parameter
+            real = nn.Parameter(unit.placeholders[k], requires_grad=p.requires_grad)
+            for mod, attr in holders.get(id(p), []):
+                mod._parameters[attr] = real
+            unit.params[k] = (fqn, real)
     unit.unbind()  # the model's own storage for these parameters is dropped here, unit by unit
     return unit
 

@@ -62,6 +62,7 @@ class TensorSwapper:
 
     Args:
         config: anything `tiermem.load_config` takes (None, a YAML path, a dict, a Config).
+        engine: an I/O engine to use instead of one built from the io.* settings (not closed here).
         **overrides: dotted-key overrides, e.g. ``**{"memory.host_budget": "256MiB"}``.
 
     Example::
@@ -74,8 +75,8 @@ class TensorSwapper:
             swapper.release(part, dirty=True)           # changed: written back when evicted
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-                 **overrides: Any) -> None:
+    def __init__(self, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
+                 engine: IOEngine | None = None, **overrides: Any) -> None:
         self.config = load_config(config, **overrides)
         cfg = self.config
         self.device = resolve_device(cfg.device)
@@ -85,7 +86,8 @@ class TensorSwapper:
         self.partitions: dict[str, Partition] = {}  # by name, in insertion order
         self.pool = HostBufferPool(cfg.memory.host_budget)  # every partition's host bytes come from here
         self.ledger = Ledger(host_budget=self.pool.nbytes, device_budget=cfg.memory.device_budget)
-        self._engine: IOEngine | None = None  # made on first NVMe use
+        self._engine: IOEngine | None = engine  # made on first NVMe use unless given
+        self._own_engine = engine is None  # close it on close() only if we made it
         self._store: SwapStore | None = None  # made on first NVMe use
         self.bytes_read = 0
         self.bytes_written = 0
@@ -533,7 +535,7 @@ class TensorSwapper:
             self.partitions.clear()
         if self._store is not None:
             self._store.close()
-        if self._engine is not None:
+        if self._engine is not None and self._own_engine:
             self._engine.close()
         self.pool.close()
 
