@@ -70,15 +70,16 @@ class Tricky(nn.Module):
 
 
 class Skippy(nn.Module):
-    """Skips layers depending on the input: dynamic control flow."""
+    """Skips layers, or runs them backwards, depending on its arguments: dynamic control flow."""
 
     def __init__(self, width: int = 32, depth: int = 6) -> None:
         super().__init__()
         torch.manual_seed(2)
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
 
-    def forward(self, x: torch.Tensor, skip: tuple[int, ...] = ()) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
+    def forward(self, x: torch.Tensor, skip: tuple[int, ...] = (), reverse: bool = False) -> torch.Tensor:
+        order = list(enumerate(self.layers))
+        for i, layer in reversed(order) if reverse else order:
             if i not in skip:
                 x = torch.tanh(layer(x))
         return x

@@ -60,7 +60,8 @@ class OffloadHandle:
 
         Keys: ``peak_bytes`` ({'device', 'host', 'nvme'}), ``now_bytes`` (same keys), ``bytes_read``,
         ``bytes_written``, ``stall_seconds`` (time forward waited for parameters), ``prefetch_hits``,
-        ``prefetch_misses``, ``retraces`` (times the execution order was recorded again), ``passes``
+        ``prefetch_misses``, ``schedule_misses`` (acquisitions that were not the unit the recorded order
+        predicted), ``retraces`` (times the execution order was recorded again), ``passes``
         (top-level forwards), ``units`` (how many) and ``largest_unit_bytes``.
         """
         s = self.swapper.stats()
@@ -73,6 +74,7 @@ class OffloadHandle:
             "stall_seconds": rt.stall_seconds,
             "prefetch_hits": rt.prefetch_hits,
             "prefetch_misses": rt.prefetch_misses,
+            "schedule_misses": rt.schedule.misses,
             "retraces": rt.schedule.retraces,
             "passes": rt.passes,
             "units": len(rt.units),

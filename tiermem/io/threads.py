@@ -36,10 +36,14 @@ class ThreadEngine(IOEngine):
             if chunk is None:
                 return
             try:
-                error = _serve(chunk)
+                error = self._serve(chunk)
             except BaseException as exc:  # a worker must never die with a future left pending
                 error = exc
             chunk.future._chunk_done(error)
+
+    @staticmethod
+    def _serve(chunk: Chunk) -> BaseException | None:
+        return _serve(chunk)
 
     def close(self) -> None:
         if self.closed:

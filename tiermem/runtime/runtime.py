@@ -115,12 +115,10 @@ class Runtime:
         else:
             self.prefetch_misses += 1
         window = self.schedule.on_acquire(i)
-        if not ready:
-            self.swapper.fetch(part, "device")  # first in the queue, before the window's reads
-        self._prefetch(window)
         t0 = time.perf_counter()
         try:
-            tensors = self.swapper.acquire(part, "device")
+            # this unit's read is queued first; the window's reads start once it is marked in use
+            tensors = self.swapper.acquire(part, "device", before_wait=lambda: self._prefetch(window))
         except BaseException:
             unit.depth -= 1
             raise

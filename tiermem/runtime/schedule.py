@@ -10,8 +10,8 @@ units outside it, so the device holds at most the units in use plus the window.
 
 When an acquisition is not the predicted unit, it is a miss: the schedule resynchronises at the next
 place that unit occurs in the order (a skipped layer); if the unit is not in the order at all, or
-misses pile up in one pass (the order really changed: dynamic control flow, another input shape), the
-order is recorded afresh from the next pass on. Results never depend on the schedule, only speed.
+misses pile up in one pass (the order really changed: dynamic control flow, another input shape),
+prediction stops for the rest of that pass and the whole next pass is recorded as the new order. Results never depend on the schedule, only speed.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Schedule:
         self.unit_bytes = unit_bytes
         self.order: list[int] = []  # the recorded order; empty until the first pass ends
         self._recording: list[int] | None = []  # the order being recorded this pass, or None
+        self._stale = False  # the order proved wrong this pass: record a fresh one from the next pass
         self.pos = 0  # index in `order` of the acquisition we expect next
         self.misses_this_pass = 0
         self.hits = 0  # acquisitions that matched the prediction
@@ -45,6 +46,9 @@ class Schedule:
         if self._recording is not None:
             self._recording.append(unit)
             return []
+        if self._stale:
+            self.misses += 1
+            return []
         n = len(self.order)
         if self.order[self.pos % n] == unit:
             self.hits += 1
@@ -54,7 +58,7 @@ class Schedule:
             self.misses_this_pass += 1
             nxt = self._find(unit)
             if nxt is None or self.misses_this_pass > MAX_MISSES_PER_PASS:
-                self._recording = []  # the order changed: record it anew from the next pass
+                self._stale = True  # the order changed: record it anew, from the start of the next pass
                 self.retraces += 1
                 return []
             self.pos = (nxt + 1) % n
@@ -81,6 +85,9 @@ class Schedule:
         """A pass (one top-level forward) ended: finish a recording, rewind to the order's start, and
         return the window that the next pass begins with."""
         self.misses_this_pass = 0
+        if self._stale:
+            self._stale, self._recording = False, []
+            return []
         if self._recording is not None:
             if not self._recording:
                 return []

@@ -247,12 +247,19 @@ class TensorSwapper:
         except BudgetError:
             return None
 
-    def acquire(self, part: Partition, tier: str = "device") -> dict[str, torch.Tensor]:
-        """Bring `part` to `tier`, wait, mark it in use, and return its tensors there (views)."""
+    def acquire(self, part: Partition, tier: str = "device",
+                before_wait: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+        """Bring `part` to `tier`, wait, mark it in use, and return its tensors there (views).
+
+        `before_wait` runs once `part` is marked in use (so nothing evicts it) and its transfer has
+        started, before blocking: the place to start other transfers that should overlap this one.
+        """
         fut = self.fetch(part, tier)
         with self._lock:
             part.users += 1  # counted before waiting, so eviction cannot take it from under us
         try:
+            if before_wait is not None:
+                before_wait()
             fut.wait()
         except BaseException:
             with self._lock:

@@ -1,0 +1,177 @@
+"""Execution-order prefetch: zero misses on static models, the device bound, reuse, re-tracing, overlap."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tests import models
+from tiermem import tiered_offload
+from tiermem.io.engine import Chunk
+from tiermem.io.threads import ThreadEngine
+from tiermem.swap import Residency
+
+
+def cfg(tmp_path, **extra) -> dict:
+    out = {"device": "cpu", "params.tier": "nvme", "nvme.paths": [str(tmp_path / "swap")],
+           "memory.host_budget": "2MiB", "wrap.min_unit_bytes": 0, "io.block_size": "256KiB"}
+    out.update(extra)
+    return out
+
+
+def equal_layers(n: int = 8, width: int = 128) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(n)]).eval()
+
+
+def test_static_model_has_no_misses_after_the_first_pass(tmp_path) -> None:
+    """The first pass records; every later pass finds each unit prefetched."""
+    model = equal_layers()
+    x = torch.randn(4, 128)
+    with torch.no_grad(), tiered_offload(model, **cfg(tmp_path, **{"memory.host_budget": "512KiB"})) as tm:
+        model(x)
+        tm.reset_stats()
+        for _ in range(4):
+            model(x)
+        s = tm.stats()
+    assert s["prefetch_misses"] == 0 and s["prefetch_hits"] == 4 * 8
+    assert s["bytes_read"] > 0  # the budget holds 7 of 8 units: the hits really came from NVMe reads
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_device_holds_at_most_the_current_unit_and_the_window(tmp_path, depth: int) -> None:
+    """The ledger's device peak never exceeds (1 + prefetch.depth) units."""
+    model = equal_layers()
+    unit = None
+    with torch.no_grad(), tiered_offload(model, **cfg(tmp_path, **{"prefetch.depth": depth})) as tm:
+        unit = tm.units[0].nbytes
+        assert all(u.nbytes == unit for u in tm.units)
+        for _ in range(3):
+            model(torch.randn(2, 128))
+        assert tm.stats()["peak_bytes"]["device"] <= (1 + depth) * unit
+        assert tm.stats()["peak_bytes"]["device"] >= 2 * unit  # prefetch did put more than one unit there
+
+
+def test_prefetch_max_bytes_caps_the_window(tmp_path) -> None:
+    """prefetch.max_bytes below two units limits the window to one unit even with depth 4."""
+    model = equal_layers()
+    with torch.no_grad(), tiered_offload(model, **cfg(tmp_path, **{"prefetch.depth": 4})) as probe:
+        unit = probe.units[0].nbytes
+    with torch.no_grad(), tiered_offload(model, **cfg(tmp_path, **{"prefetch.depth": 4,
+                                                                   "prefetch.max_bytes": unit + 1})) as tm:
+        for _ in range(3):
+            model(torch.randn(2, 128))
+        assert tm.stats()["peak_bytes"]["device"] <= 2 * unit
+
+
+def test_unit_used_again_inside_the_window_stays_on_the_device(tmp_path) -> None:
+    """A layer called again two steps later is kept on the device between its uses, not dropped."""
+    torch.manual_seed(0)
+    a, b, c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    class Reuse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = a, b, c
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(self.a(self.b(self.a(x))))
+
+    model = Reuse().eval()
+    seen: list[Residency] = []
+    x = torch.randn(2, 64)
+    ref = model(x).detach()
+    with torch.no_grad(), tiered_offload(model, **cfg(tmp_path)) as tm:
+        unit_a = next(u for u in tm.units if u.name == "a")
+        hook = model.b.register_forward_hook(lambda *args: seen.append(unit_a.partition.state))
+        for _ in range(3):
+            assert torch.equal(model(x), ref)
+        hook.remove()
+    assert seen[1:] == [Residency.DEVICE, Residency.DEVICE]  # after recording: kept while b runs
+
+
+def test_skipped_layers_resynchronise_without_retracing(tmp_path) -> None:
+    """Skipping different layers each pass gives right outputs; misses are counted, the order is kept."""
+    model = models.Skippy().eval()
+    x = torch.randn(3, 32)
+    skips = [(), (2,), (1, 3, 4), (5,)]
+    with torch.no_grad():
+        refs = [model(x, skip) for skip in skips]
+    with torch.no_grad(), tiered_offload(model, **cfg(tmp_path, **{"memory.host_budget": "24KiB"})) as tm:
+        for _ in range(2):
+            for skip, ref in zip(skips, refs, strict=True):
+                assert torch.equal(model(x, skip), ref)
+        s = tm.stats()
+    assert s["schedule_misses"] > 0 and s["prefetch_misses"] > 0
+    assert s["retraces"] == 0
+
+
+def test_changed_order_is_recorded_again_not_thrashed(tmp_path) -> None:
+    """When the order really changes (layers run backwards), it is re-recorded once, then predicted exactly."""
+    model = models.Skippy().eval()
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        ref_fwd, ref_rev = model(x), model(x, reverse=True)
+    with torch.no_grad(), tiered_offload(model, **cfg(tmp_path, **{"memory.host_budget": "24KiB"})) as tm:
+        assert torch.equal(model(x), ref_fwd)
+        assert torch.equal(model(x), ref_fwd)
+        tm.reset_stats()
+        for _ in range(4):
+            assert torch.equal(model(x, reverse=True), ref_rev)
+        s = tm.stats()
+        assert s["retraces"] == 1 and s["schedule_misses"] > 0
+        tm.reset_stats()
+        for _ in range(3):
+            assert torch.equal(model(x, reverse=True), ref_rev)
+        s = tm.stats()
+    assert s["schedule_misses"] == 0 and s["prefetch_misses"] == 0 and s["retraces"] == 0
+
+
+def test_generate_has_no_misses_once_recorded(tmp_path) -> None:
+    """generate() with a KV cache repeats one unit order per token: no misses after the first pass."""
+    pytest.importorskip("transformers")
+    model = models.gpt2()
+    ids = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(3))
+    with tiered_offload(model, **cfg(tmp_path, **{"memory.host_budget": "768KiB"})) as tm:
+        with torch.no_grad():
+            model(ids)
+        tm.reset_stats()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+        s = tm.stats()
+    assert s["passes"] == 5 and s["prefetch_misses"] == 0 and s["retraces"] == 0
+
+
+class SlowEngine(ThreadEngine):
+    """A disk that serves one request at a time and takes `delay` seconds for each."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(block_size=1 << 20, queue_depth=1)
+        self.delay = delay
+
+    def _serve(self, chunk: Chunk) -> BaseException | None:  # type: ignore[override]
+        time.sleep(self.delay)
+        return super()._serve(chunk)
+
+
+def test_prefetch_overlaps_reads_with_compute(tmp_path) -> None:
+    """With a slow disk and slow layers, the prefetching run beats the serial one and stalls less."""
+    model = models.Sleepy(width=128, depth=12, compute_s=0.02).eval()
+    x = torch.randn(2, 128)
+    timings = {}
+    with SlowEngine(delay=0.02) as engine:
+        for prefetch in (False, True):
+            with torch.no_grad(), tiered_offload(model, engine=engine, prefetch=prefetch,
+                                                 **cfg(tmp_path, **{"memory.host_budget": "208KiB"})) as tm:
+                model(x)  # record
+                tm.reset_stats()
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    model(x)
+                timings[prefetch] = (time.perf_counter() - t0, tm.stats())
+    (serial, s_stats), (overlapped, o_stats) = timings[False], timings[True]
+    assert s_stats["bytes_read"] > 0 and o_stats["bytes_read"] > 0  # both really read from the slow disk
+    assert overlapped < serial
+    assert o_stats["stall_seconds"] < s_stats["stall_seconds"]
