@@ -156,8 +156,9 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
           prefetch: bool) -> Runtime:
     cfg = swapper.config
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
-    if ckpt is not None and callable(getattr(model, "tie_weights", None)):
-        model.tie_weights()  # as from_pretrained does: a model built empty may not have its ties yet
+    tie = getattr(model, "tie_weights", None)
+    if ckpt is not None and callable(tie):
+        tie()  # as from_pretrained does: a model built empty may not have its ties yet
     plan = plan_units(model, cfg.wrap.classes, cfg.wrap.min_unit_bytes)
     if ckpt is None:
         meta = [n for n, p in model.named_parameters() if p.is_meta]

@@ -11,7 +11,8 @@ units outside it, so the device holds at most the units in use plus the window.
 When an acquisition is not the predicted unit, it is a miss: the schedule resynchronises at the next
 place that unit occurs in the order (a skipped layer); if the unit is not in the order at all, or
 misses pile up in one pass (the order really changed: dynamic control flow, another input shape),
-prediction stops for the rest of that pass and the whole next pass is recorded as the new order. Results never depend on the schedule, only speed.
+prediction stops for the rest of that pass and the whole next pass is recorded as the new order.
+Results never depend on the schedule, only speed.
 """
 
 from __future__ import annotations
