@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the main job: for now, tiermem's I/O benchmark on the default
-# swap directory with a short size. Extra arguments go to `tiermem bench io`.
+# Set up (scripts/setup.sh), then run the main job: a GPT-2-medium-shaped transformer (1.3 GiB of fp32
+# weights) generating from NVMe under a 320 MiB host budget, with and without execution-order prefetch.
+# Extra arguments go to `tiermem demo` (see `tiermem demo --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m tiermem bench io --size 256MiB --runs 3 --plot /var/tmp/tiermem-bench-io.png "$@"
+exec "${PYTHON:-python3}" -m tiermem demo "$@"

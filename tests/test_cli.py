@@ -97,3 +97,14 @@ def test_info_reports_backends(capsys) -> None:
     assert set(info["engines"]) == {"io_uring", "threads"}
     assert info["engines"]["threads"] == "available"
     assert info["torch"]
+
+
+def test_demo_runs_small_and_matches_itself(tmp_path) -> None:
+    """`tiermem demo` on a tiny shape prints the summary and both runs generate the same tokens."""
+    pytest.importorskip("transformers")
+    res = _tiermem("demo", "--dir", str(tmp_path), "--layers", "2", "--width", "64", "--host-budget", "16MiB",
+                   "--tokens", "3", "--prompt", "4")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "with prefetch" in res.stdout and "without prefetch" in res.stdout
+    assert "both runs generated the same tokens: True" in res.stdout
+    assert not (tmp_path / "swap").exists()

@@ -1,4 +1,4 @@
-"""The `tiermem` command line: `tiermem info`, `tiermem bench io`, `tiermem config check|show`."""
+"""The `tiermem` command line: `tiermem demo`, `tiermem info`, `tiermem bench io`, `tiermem config check|show`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tiermem.errors import TiermemError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tiermem.cli import bench, config_cmd, info
+    from tiermem.cli import bench, config_cmd, demo, info
 
     parser = argparse.ArgumentParser(prog="tiermem", description="Tiered memory for PyTorch: device, host RAM, NVMe.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what tiermem does (INFO level)")
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.register(sub)
     bench.register(sub)
     config_cmd.register(sub)
+    demo.register(sub)
     return parser
 
 
