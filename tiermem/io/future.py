@@ -19,26 +19,31 @@ class IOFuture:
     error (an OSError naming the file). ``nbytes`` is the size of the transfer.
     """
 
-    __slots__ = ("nbytes", "_remaining", "_error", "_event", "_lock", "_callbacks", "_keepalive")
+    __slots__ = ("nbytes", "_remaining", "_error", "_done", "_gate", "_lock", "_callbacks", "_keepalive")
 
     def __init__(self, nbytes: int, chunks: int, keepalive: object = None) -> None:
         self.nbytes = nbytes
         self._remaining = chunks  # chunks still in flight; the future completes at zero
         self._error: BaseException | None = None  # first failure; later ones are dropped
-        self._event = threading.Event()
+        self._done = chunks == 0
+        # held while not done: waiters block on it. A bare lock is much cheaper than threading.Event,
+        # and every chunk of every transfer makes one of these.
+        self._gate = threading.Lock()
         self._lock = threading.Lock()
-        self._callbacks: list[Callable[[IOFuture], None]] = []  # run once, on completion
+        self._callbacks: list[Callable[[IOFuture], None]] | None = None  # run once, on completion
         self._keepalive = keepalive  # the caller's buffer stays alive while the kernel writes into it
-        if chunks == 0:
-            self._event.set()
+        if not self._done:
+            self._gate.acquire()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until done; return the byte count or raise the transfer's error."""
-        if not self._event.wait(timeout):
-            raise IOTimeoutError(f"I/O of {self.nbytes} bytes did not finish within {timeout} s")
+        if not self._done:
+            if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
+                raise IOTimeoutError(f"I/O of {self.nbytes} bytes did not finish within {timeout} s")
+            self._gate.release()  # let every other waiter through too
         if self._error is not None:
             raise self._error
         return self.nbytes
@@ -50,7 +55,9 @@ class IOFuture:
     def add_done_callback(self, fn: Callable[[IOFuture], None]) -> None:
         """Call `fn(self)` when done (at once when already done), on the completing thread."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -63,10 +70,12 @@ class IOFuture:
             if self._remaining > 0:
                 return
             self._keepalive = None
-            callbacks, self._callbacks = self._callbacks, []
-            self._event.set()
-        for fn in callbacks:
-            fn(self)
+            callbacks, self._callbacks = self._callbacks, None
+            self._done = True
+            self._gate.release()
+        if callbacks:
+            for fn in callbacks:
+                fn(self)
 
 
 def gather(futures: list[IOFuture]) -> IOFuture:
