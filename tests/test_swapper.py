@@ -326,3 +326,30 @@ def test_cuda_round_trip_through_pinned_host(tmp_path) -> None:
         back = sw.acquire(part, "host")
         assert torch.equal(back["t0_3"], src["t0_3"] + 1)
         sw.release(part)
+
+
+@pytest.mark.parametrize("engine", ["io_uring", "threads"])
+def test_changes_during_a_write_back_are_not_lost(tmp_path, engine: str) -> None:
+    """A partition acquired and changed while its eviction is being written stays dirty and is written again."""
+    from tiermem.io.engine import available_backends
+
+    if available_backends()[engine]:
+        pytest.skip(f"{engine}: {available_backends()[engine]}")
+    with _swapper(tmp_path, **{"io.engine": engine}) as sw:
+        parts = [sw.add(f"w{i}", {"a": torch.zeros(3000), "b": torch.zeros(5000)}) for i in range(4)]
+        sw.flush()
+        for step in range(150):
+            for k, p in enumerate(parts):
+                if k + 1 < len(parts):
+                    sw.prefetch(parts[k + 1], "host")
+                t = sw.acquire(p, "host")  # may find p still WRITING: its bytes are on host meanwhile
+                assert torch.all(t["a"] == step) and torch.all(t["b"] == step), (step, k)
+                t["a"] += 1
+                t["b"] += 1
+                sw.release(p, dirty=True)
+                sw.evict(p)  # write-back starts; the next step may acquire p before it ends
+        for p in parts:
+            sw.wait_idle(p)
+            sw.evict(p).wait()
+            assert torch.all(sw.acquire(p, "host")["a"] == 150)
+            sw.release(p)

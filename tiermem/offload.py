@@ -26,6 +26,7 @@ from tiermem.config import Config
 from tiermem.errors import BudgetError, TiermemError
 from tiermem.io.buffers import align_up
 from tiermem.io.engine import IOEngine
+from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
 from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint
 from tiermem.runtime.runtime import Runtime
 from tiermem.runtime.unit import Unit
@@ -45,11 +46,19 @@ class OffloadError(TiermemError):
 class OffloadHandle:
     """What `with tiered_offload(...) as tm` yields: statistics and controls of the running offload."""
 
-    def __init__(self, model: nn.Module, swapper: TensorSwapper, runtime: Runtime) -> None:
+    def __init__(self, model: nn.Module, swapper: TensorSwapper, runtime: Runtime,
+                 optimizer: TieredOptimizer | None = None) -> None:
         self.model = model
         self.swapper = swapper
         self.runtime = runtime
         self.config: Config = swapper.config
+        self.optimizer = optimizer  # the stand-in for the optimizer passed in (None when not training)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
+        if self.optimizer is None:
+            raise OffloadError("clip_grad_norm_ needs the optimizer: tiered_offload(model, config, optimizer=opt)")
+        return self.optimizer.clip_grad_norm_(max_norm, norm_type)
 
     @property
     def units(self) -> list[Unit]:
@@ -104,7 +113,8 @@ class OffloadHandle:
 @contextmanager
 def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
                    checkpoint: str | os.PathLike[str] | None = None, restore: bool = True, prefetch: bool = True,
-                   engine: IOEngine | None = None, **overrides: Any) -> Iterator[OffloadHandle]:
+                   engine: IOEngine | None = None, optimizer: torch.optim.Optimizer | None = None,
+                   **overrides: Any) -> Iterator[OffloadHandle]:
     """Run `model` with its parameters in tiers (device, host, NVMe) as the config says.
 
     Args:
@@ -117,6 +127,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             values). False leaves them on the meta device (for a model too large to hold in RAM).
         prefetch: False turns off execution-order prefetch (every unit is read when needed).
         engine: an I/O engine to share instead of building one from the io.* settings.
+        optimizer: a torch.optim.AdamW, Adam or SGD built on the model's parameters, to train: gradients
+            then leave the device unit by unit and the state lives in optimizer.tier; use `tm.optimizer`
+            (calling the original's step()/zero_grad() inside the context does the same).
         **overrides: dotted config keys, e.g. ``**{"prefetch.depth": 4}`` or ``prefetch__depth=4``.
 
     Yields:
@@ -129,12 +142,23 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         if getattr(mod, _ATTR, None) is not None:
             raise OffloadError(f"submodule {name!r} of {type(model).__name__} is already inside tiered_offload; "
                                "offload the whole model once instead")
+    if optimizer is not None and type(optimizer) not in SUPPORTED_OPTIMIZERS:
+        names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
+        raise OffloadError(f"optimizer: {type(optimizer).__name__} is not supported under tiered_offload; use one "
+                           f"of {names}")
     swapper = TensorSwapper(config, engine=engine, **overrides)
     handle: OffloadHandle | None = None
+    patched: dict[str, Any] = {}
     try:
-        runtime = _pack(model, swapper, checkpoint, prefetch)
-        handle = OffloadHandle(model, swapper, runtime)
+        runtime = _pack(model, swapper, checkpoint, prefetch, optimizer)
+        handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
         setattr(model, _ATTR, handle)
+        if optimizer is not None:
+            override = dtype_of(swapper.config.params.dtype)
+            handle.optimizer = TieredOptimizer(optimizer, runtime.units, swapper,
+                                               mixed=override not in (None, torch.float32))
+            runtime.optimizer = handle.optimizer
+            patched = _delegate(optimizer, handle.optimizer)
         runtime.register_hooks()
         handle.reset_stats()
         log.info("tiered_offload: %d units on %s, params.tier=%s", len(runtime.units), swapper.device,
@@ -145,6 +169,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             if handle is not None:
                 handle.runtime.remove_hooks()
                 _unpack(handle, restore)
+                _undelegate(optimizer, patched)
+                if restore and handle.optimizer is not None and optimizer is not None:
+                    optimizer.load_state_dict(handle.optimizer.state_dict())  # training goes on outside
         finally:
             if handle is not None and getattr(model, _ATTR, None) is handle:
                 delattr(model, _ATTR)
@@ -152,8 +179,25 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
 
 
 # -- entry ------------------------------------------------------------------------------------------
+def _delegate(original: torch.optim.Optimizer, tiered: TieredOptimizer) -> dict[str, Any]:
+    """Make the original optimizer's step/zero_grad do what tm.optimizer's do; return what to put back."""
+    saved: dict[str, Any] = {n: original.__dict__[n] for n in ("step", "zero_grad") if n in original.__dict__}
+    original.step = tiered.step  # type: ignore[method-assign]
+    original.zero_grad = tiered.zero_grad  # type: ignore[method-assign]
+    return saved
+
+
+def _undelegate(original: torch.optim.Optimizer | None, saved: dict[str, Any]) -> None:
+    if original is None:
+        return
+    for name in ("step", "zero_grad"):
+        original.__dict__.pop(name, None)
+        if name in saved:
+            setattr(original, name, saved[name])
+
+
 def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLike[str] | None,
-          prefetch: bool) -> Runtime:
+          prefetch: bool, optimizer: torch.optim.Optimizer | None = None) -> Runtime:
     cfg = swapper.config
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     tie = getattr(model, "tie_weights", None)
@@ -168,6 +212,12 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
     override = dtype_of(cfg.params.dtype)
     device = swapper.device
     _check_fits(plan, swapper, override)
+    if optimizer is not None:  # each param group contiguous in every partition: see [Note: training state per unit]
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        for up in plan.units:
+            order = sorted(up.params.items(), key=lambda kv: group_of.get(id(kv[1]), len(group_of)))
+            up.params.clear()
+            up.params.update(order)
     units: list[Unit] = []
     holders: dict[int, list[tuple[nn.Module, str]]] = {}  # id(param) -> (module, attribute) holding it
     for mod in model.modules():

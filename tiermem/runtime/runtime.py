@@ -1,5 +1,16 @@
 """The runtime behind `tiered_offload`: units, the schedule, and the forward hooks that drive them.
 
+# [Note: backward]
+Autograd keeps the tensors it needs for backward; a parameter (or a view of one, like weight.t()) is
+among them. A saved-tensor pack hook replaces each managed parameter by a marker; the unpack hook, which
+runs in backward when the tensor is needed, acquires the parameter's unit again and rebuilds the
+tensor from the freshly bound parameter. A gradient hook on each trainable parameter acquires its unit
+too, since autograd accumulates into the parameter itself. When autograd has accumulated a gradient, a
+post-accumulate hook moves it into the optimizer's fp32 accumulator and frees it; once every trainable
+parameter of the unit is done the unit is released. Whatever is still held when backward ends is
+released by a callback queued on the autograd engine. A training pass (forward and backward) is one
+pass of the schedule, so backward acquisitions are recorded and prefetched like forward ones.
+
 # [Note: acquire and release]
 A forward pre-hook on each hooked module acquires the units that module needs (its own, plus the
 units of tied parameters it holds), binding their parameters to partition views on the device; the
@@ -14,6 +25,7 @@ import logging
 import time
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -22,6 +34,17 @@ from tiermem.runtime.unit import Unit
 from tiermem.swap import Residency, TensorSwapper
 
 log = logging.getLogger(__name__)
+
+
+class _SavedParam:
+    """What autograd holds instead of a managed parameter (or a view of one) between forward and backward."""
+
+    __slots__ = ("param", "unit", "view")
+
+    def __init__(self, param: nn.Parameter, unit: int, view: tuple[Any, Any, int] | None) -> None:
+        self.param = param
+        self.unit = unit
+        self.view = view  # (size, stride, offset from the parameter's own offset) for a view; None for itself
 
 
 class Runtime:
@@ -45,6 +68,14 @@ class Runtime:
         self.prefetch_misses = 0  # acquisitions that had to start reading
         self.passes = 0
         self._unit_of = {id(u.partition): u.index for u in units}
+        self._param_unit = {id(p): (u.index, fqn) for u in units for fqn, p in u.params}  # id -> (unit, FQN)
+        self.optimizer: Any = None  # the TieredOptimizer that takes gradients, when training
+        self._saved_hooks: Any = None  # the saved_tensors_hooks context, entered for the context's life
+        self._bwd_held: set[int] = set()  # units acquired by the backward in progress
+        self._bwd_done: dict[int, int] = {}  # unit -> trainable parameters whose gradient arrived
+        self._trainable_count: dict[int, int] = {}  # unit -> parameters that get gradients
+        self._in_backward = False
+        self._awaiting_backward = False  # a grad-enabled forward ended; its pass ends with its backward
         self._distance: tuple[int, dict[int, int]] = (-1, {})  # (cursor, unit -> acquisitions until next use)
         swapper.next_use = self._next_use
 
@@ -70,11 +101,87 @@ class Runtime:
         for module, indices in self.needs.items():
             self.handles.append(module.register_forward_pre_hook(self._make_pre(indices)))
             self.handles.append(module.register_forward_hook(self._make_post(indices), always_call=True))
+        for u in self.units:
+            for _, p in u.params:
+                if p.requires_grad:
+                    self._trainable_count[u.index] = self._trainable_count.get(u.index, 0) + 1
+                    self.handles.append(p.register_hook(self._make_grad_arriving(u.index)))
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
 
     def remove_hooks(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+
+    # -- backward (see [Note: backward]) ---------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        base = t._base if t._base is not None else t
+        found = self._param_unit.get(id(base))
+        if found is None:
+            return t
+        if base is t:
+            return _SavedParam(t, found[0], None)  # type: ignore[arg-type]
+        offset = t.storage_offset() - base.storage_offset()
+        return _SavedParam(base, found[0], (t.size(), t.stride(), offset))  # type: ignore[arg-type]
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedParam):
+            return saved
+        self._backward_acquire(saved.unit)
+        p = saved.param
+        if saved.view is None:
+            return p
+        size, stride, rel = saved.view
+        return p.detach().as_strided(size, stride, p.storage_offset() + rel)
+
+    def _start_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _backward_acquire(self, i: int) -> None:
+        self._start_backward()
+        if i not in self._bwd_held:
+            self._bwd_held.add(i)
+            self.enter(i)
+
+    def _make_grad_arriving(self, i: int) -> Any:
+        def arriving(grad: torch.Tensor) -> None:
+            self._backward_acquire(i)  # autograd accumulates into the parameter: it must be bound
+
+        return arriving
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        self._start_backward()
+        i, fqn = self._param_unit[id(p)]
+        if self.optimizer is not None and i in self.optimizer.by_unit and p.grad is not None:
+            self.optimizer.accumulate(i, fqn, p.grad)
+            p.grad = None  # the device copy goes now; the fp32 accumulator holds it
+        self._bwd_done[i] = self._bwd_done.get(i, 0) + 1
+        if self._bwd_done[i] == self._trainable_count.get(i, 0):
+            self._finish_unit_backward(i)
+
+    def _finish_unit_backward(self, i: int) -> None:
+        if self.optimizer is not None:
+            self.optimizer.finish_grads(i)
+        if i in self._bwd_held:
+            self._bwd_held.discard(i)
+            self.exit(i)
+
+    def _backward_end(self) -> None:
+        """Runs once when autograd finishes a backward: release what it still holds, end the pass."""
+        for i in sorted(self._bwd_held | set(self._bwd_done)):
+            self._finish_unit_backward(i)
+        self._bwd_done.clear()
+        self._in_backward = False
+        if self._awaiting_backward:
+            self._awaiting_backward = False
+            self._finish_pass()
 
     def _make_pre(self, indices: list[int]) -> Any:
         def pre(module: nn.Module, args: Any) -> None:
@@ -91,14 +198,22 @@ class Runtime:
         return post
 
     def _pass_begin(self, module: nn.Module, args: Any) -> None:
+        if self._pass_depth == 0 and self._awaiting_backward:  # the last forward's backward never came
+            self._awaiting_backward = False
+            self._finish_pass()
         self._pass_depth += 1
 
     def _pass_end(self, module: nn.Module, args: Any, output: Any) -> None:
         self._pass_depth -= 1
         if self._pass_depth == 0:
-            self.passes += 1
-            window = self.schedule.on_pass_end()
-            self._prefetch(window)
+            if torch.is_grad_enabled() and self._trainable_count:
+                self._awaiting_backward = True  # the pass goes on through backward
+            else:
+                self._finish_pass()
+
+    def _finish_pass(self) -> None:
+        self.passes += 1
+        self._prefetch(self.schedule.on_pass_end())
 
     # -- acquire / release --------------------------------------------------------------------------
     def enter(self, i: int) -> None:

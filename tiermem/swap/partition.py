@@ -34,6 +34,8 @@ class Partition:
         self.extent: Extent | None = None  # where it rests on NVMe (home nvme only)
         self.checksum: int | None = None  # crc32 written with the NVMe copy when nvme.checksum is on
         self.dirty = False  # the host copy is newer than the NVMe copy (or there is no NVMe copy yet)
+        self.version = 0  # bumped on every change of the host copy; a write-back is current only if equal
+        self.written_version = -1  # `version` captured when the write in flight started
         self.users = 0  # acquire() calls not yet released; a used partition is never evicted
         self.last_used = 0  # swapper clock at the last fetch or release, for LRU eviction
         self.pending: IOFuture | None = None  # the one NVMe transfer in flight

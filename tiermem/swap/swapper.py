@@ -125,12 +125,14 @@ class TensorSwapper:
     # -- partitions ---------------------------------------------------------------------------------
     def add(self, name: str, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
             home: str | Tier = Tier.NVME,
-            fill: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Partition:
+            fill: Callable[[dict[str, torch.Tensor]], None] | None = None, zero: bool = False) -> Partition:
         """Pack `tensors` (copied) into a new partition resting in `home` ('device', 'cpu' or 'nvme').
 
         With `fill`, `tensors` only give names, dtypes and shapes (meta tensors will do) and
-        `fill(views)` writes the data into the partition's views instead. An NVMe partition starts on
-        host, dirty, and is written out when evicted or on `flush()`.
+        `fill(views)` writes the data into the partition's views instead. `zero` clears the whole
+        buffer first, padding included (so flat views over it hold zeros between tensors); with `zero`
+        and no `fill`, `tensors` only give the layout. An NVMe
+        partition starts on host, dirty, and is written out when evicted or on `flush()`.
         """
         if self.closed:
             raise StateError("the swapper is closed")
@@ -154,9 +156,11 @@ class TensorSwapper:
             raise
         try:
             with torch.no_grad():
+                if zero:
+                    self.flat(part).zero_()
                 if fill is not None:
                     fill(views)
-                else:
+                elif not zero:
                     for slot_name, t in items:
                         views[slot_name].copy_(t.detach())
         except BaseException:
@@ -189,6 +193,14 @@ class TensorSwapper:
             part.state = Residency.DEVICE if tier is Tier.DEVICE else Residency.HOST
             views = layout.views(part.host.tensor())
         return views
+
+    def flat(self, part: Partition) -> torch.Tensor:
+        """The whole partition as one uint8 tensor where its bytes are now (device first)."""
+        if part.state is Residency.DEVICE and part.device_data is not None:
+            return part.device_data
+        if part.host is None:
+            raise StateError(f"partition {part.name!r} is {part.state.value}; fetch it first")
+        return part.host.tensor()
 
     def remove(self, part: Partition) -> None:
         """Forget a partition and give back its memory and swap space."""
@@ -284,6 +296,7 @@ class TensorSwapper:
                 if part.state is Residency.DEVICE and part.device_data is not None and part.host is not None:
                     self.mover.synchronize(self.mover.to_host(part.device_data, part.host.tensor()))
                 part.dirty = part.home is Tier.NVME
+                part.version += 1  # a write-back in flight now carries older bytes: it must not clear dirty
             if part.users == 0 and part.home is not Tier.DEVICE and not keep:
                 self._demote_to_host(part)
 
@@ -390,6 +403,7 @@ class TensorSwapper:
         before = part.state
         part.state = Residency.WRITING
         part.free_after_write = free_after
+        part.written_version = part.version
         fut = self.store.write(part.extent, part.host.view, part.size)
         part.pending = fut
         fut.add_done_callback(lambda f: self._write_done(part, f, before))
@@ -405,8 +419,8 @@ class TensorSwapper:
                 self._drive(part)
                 return
             self.bytes_written += part.size
-            part.dirty = False
-            if part.free_after_write and not part.waiters and not part.users:
+            part.dirty = part.version != part.written_version  # changed while the write was in flight
+            if part.free_after_write and not part.waiters and not part.users and not part.dirty:
                 self._free_host(part)
                 part.state = Residency.NVME
                 self.evictions += 1

@@ -1,0 +1,266 @@
+"""Training under tiered_offload equals plain PyTorch: optimizers, groups, accumulation, schedulers, clipping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests import models
+from tiermem import OffloadError, tiered_offload
+
+TIERS = {"device": "cpu", "nvme.paths": [], "wrap.min_unit_bytes": 0, "memory.host_budget": "4MiB"}
+
+
+def cfg(tmp_path, **extra: Any) -> dict[str, Any]:
+    out = {**TIERS, "nvme.paths": [str(tmp_path / "swap")], "params.tier": "nvme", "optimizer.tier": "nvme",
+           "grads.tier": "cpu"}
+    out.update(extra)
+    return out
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64),
+                         nn.Tanh(), nn.Linear(64, 4))
+
+
+def two_groups(model: nn.Module, **second: Any) -> list[dict[str, Any]]:
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, **second}]
+
+
+def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def run_steps(model: nn.Module, opt: Any, data: list, *, accumulate: int = 1, clip: float | None = None,
+              sched: Any = None, clip_fn: Callable[..., Any] | None = None) -> list[float]:
+    losses = []
+    for k in range(0, len(data), accumulate):
+        opt.zero_grad()
+        for x, y in data[k:k + accumulate]:
+            loss = loss_fn(model, x, y) / accumulate
+            loss.backward()
+            losses.append(float(loss))
+        if clip is not None:
+            assert clip_fn is not None
+            clip_fn(clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return losses
+
+
+def compare(tmp_path, make_opt: Callable[[nn.Module], torch.optim.Optimizer], *, steps: int = 30,
+            accumulate: int = 1, clip: float | None = None, sched: Callable[[Any], Any] | None = None,
+            build: Callable[[], nn.Module] = mlp, exact: bool = True, **tiers: Any) -> None:
+    data = batches(steps * accumulate)
+    ref = build()
+    ref_opt = make_opt(ref)
+    ref_losses = run_steps(ref, ref_opt, data, accumulate=accumulate, clip=clip,
+                           sched=sched(ref_opt) if sched else None,
+                           clip_fn=lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c))
+    model = build()
+    opt = make_opt(model)
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **tiers)) as tm:
+        losses = run_steps(model, tm.optimizer, data, accumulate=accumulate, clip=clip,
+                           sched=sched(tm.optimizer) if sched else None, clip_fn=tm.clip_grad_norm_)
+    tol = {} if exact else {"rtol": 1e-5, "atol": 1e-7}
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **(tol or {"rtol": 0, "atol": 0}))
+    for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, **(tol or {"rtol": 0, "atol": 0}), msg=lambda m, n=name: f"{n}: {m}")
+    ref_state, state = ref_opt.state_dict(), opt.state_dict()  # synced back into the user's optimizer on exit
+    assert ref_state["state"].keys() == state["state"].keys()
+    for k, entry in ref_state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(state["state"][k][key], value, **(tol or {"rtol": 0, "atol": 0}))
+
+
+@pytest.mark.parametrize("tiers", [
+    {},
+    {"params.tier": "cpu", "optimizer.tier": "cpu", "grads.tier": "cpu"},
+    {"grads.tier": "nvme", "memory.host_budget": "192KiB"},
+], ids=["nvme", "cpu", "nvme-grads-small-budget"])
+def test_adamw_two_groups_30_steps_equal_pytorch(tmp_path, tiers: dict[str, Any]) -> None:
+    """AdamW with weight decay and two param groups of different lr: losses and weights bit-exact."""
+    compare(tmp_path, lambda m: torch.optim.AdamW(two_groups(m, lr=3e-3), lr=1e-3), **tiers)
+
+
+def test_adam_and_amsgrad_equal_pytorch(tmp_path) -> None:
+    """Adam (L2 weight decay) and Adam with amsgrad match torch."""
+    compare(tmp_path, lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01), steps=15)
+    compare(tmp_path, lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, amsgrad=True), steps=15)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_equal_pytorch(tmp_path, nesterov: bool) -> None:
+    """SGD with momentum (and nesterov) and weight decay matches torch."""
+    compare(tmp_path, lambda m: torch.optim.SGD(two_groups(m, lr=0.02), lr=0.05, momentum=0.9,
+                                                nesterov=nesterov), steps=20)
+
+
+def test_plain_sgd_equal_pytorch(tmp_path) -> None:
+    """SGD without momentum keeps no state and matches torch."""
+    compare(tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), steps=10)
+
+
+def test_gradient_accumulation_equal_pytorch(tmp_path) -> None:
+    """Two backward passes per step add up exactly as PyTorch's .grad accumulation does."""
+    compare(tmp_path, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), steps=15, accumulate=2)
+
+
+def test_lr_scheduler_equal_pytorch(tmp_path) -> None:
+    """A torch.optim.lr_scheduler attached to tm.optimizer changes the lr the update uses."""
+    compare(tmp_path, lambda m: torch.optim.AdamW(two_groups(m), lr=1e-2), steps=20,
+            sched=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5))
+
+
+def test_clip_grad_norm_equal_pytorch(tmp_path) -> None:
+    """tm.clip_grad_norm_ clips exactly as torch.nn.utils.clip_grad_norm_ (within fp32 rounding)."""
+    compare(tmp_path, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=15, clip=0.05, exact=False)
+
+
+class BNDrop(nn.Module):
+    """BatchNorm (buffers updated in training), dropout (RNG), a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = nn.Linear(16, 32)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3),
+                                  nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.tanh(self.frozen(x)))
+
+
+def test_batchnorm_dropout_frozen_equal_pytorch(tmp_path) -> None:
+    """BatchNorm running stats, dropout masks (same RNG stream) and frozen weights all match torch."""
+    def trainable(m: nn.Module) -> list[nn.Parameter]:
+        return [p for p in m.parameters() if p.requires_grad]
+
+    torch.manual_seed(123)
+    compare(tmp_path, lambda m: torch.optim.AdamW(trainable(m), lr=1e-3), steps=10, build=lambda: BNDrop().train())
+
+
+def test_gpt2_tied_weights_train_equal_pytorch(tmp_path) -> None:
+    """GPT-2 with its tied embedding/head trains like in memory (dropout off, fp32)."""
+    pytest.importorskip("transformers")
+
+    def build() -> nn.Module:
+        model = models.gpt2(layers=2, width=32, vocab=100)
+        model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+        return model.train()
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 100, (2, 8), generator=g) for _ in range(6)]
+    results = []
+    for offload in (False, True):
+        model = build()
+        assert model.lm_head.weight is model.transformer.wte.weight
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        ctx = tiered_offload(model, optimizer=opt, **cfg(tmp_path)) if offload else None
+        tm = ctx.__enter__() if ctx else None
+        step_opt = tm.optimizer if tm else opt
+        for ids in data:
+            step_opt.zero_grad()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            step_opt.step()
+            losses.append(float(loss))
+        if ctx:
+            ctx.__exit__(None, None, None)
+        results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert results[0][0] == results[1][0]
+    for name, value in results[0][1].items():
+        assert torch.equal(results[1][1][name], value), name
+
+
+def test_original_optimizer_step_does_the_same(tmp_path) -> None:
+    """Inside the context the user's own opt.step()/zero_grad() run the tiered optimizer."""
+    compare_model = mlp()
+    data = batches(5)
+    ref_opt = torch.optim.AdamW(compare_model.parameters(), lr=1e-3)
+    run_steps(compare_model, ref_opt, data)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
+        run_steps(model, opt, data)
+    for a, b in zip(compare_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert "step" not in opt.__dict__  # the delegation is removed on exit
+    opt.step()  # and the original works on its own again
+
+
+def test_unsupported_optimizer_is_a_clear_error(tmp_path) -> None:
+    """An optimizer other than AdamW/Adam/SGD is refused, listing the supported ones; the model is untouched."""
+    model = mlp()
+    with pytest.raises(OffloadError, match="RMSprop is not supported.*torch.optim.AdamW"):
+        with tiered_offload(model, optimizer=torch.optim.RMSprop(model.parameters()), **cfg(tmp_path)):
+            pass
+    assert all(p.numel() > 0 for p in model.parameters())
+
+
+def test_optimizer_on_other_parameters_is_refused(tmp_path) -> None:
+    """An optimizer holding parameters outside the model is refused with what to do."""
+    model = mlp()
+    stray = nn.Parameter(torch.zeros(3))
+    with pytest.raises(Exception, match="not in the offloaded model"):
+        with tiered_offload(model, optimizer=torch.optim.SGD([*model.parameters(), stray], lr=0.1),
+                            **cfg(tmp_path)):
+            pass
+
+
+def test_state_dict_round_trip_inside(tmp_path) -> None:
+    """tm.optimizer.state_dict() loads back into a fresh context and training continues identically."""
+    data = batches(10)
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    run_steps(ref, ref_opt, data)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+        run_steps(model, tm.optimizer, data[:5])
+        saved = tm.optimizer.state_dict()
+        assert saved["state"][0]["step"] == 5
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt2, **cfg(tmp_path)) as tm:
+        tm.optimizer.load_state_dict(saved)
+        run_steps(model, tm.optimizer, data[5:])
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_gradients_leave_the_device(tmp_path) -> None:
+    """After backward no parameter holds a .grad: they sit in the fp32 accumulators of grads.tier."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = batches(1)[0]
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+        loss_fn(model, x, y).backward()
+        assert all(p.grad is None for p in model.parameters())
+        assert all(u.depth == 0 for u in tm.units)
+        assert tm.stats()["now_bytes"]["device"] <= tm.stats()["largest_unit_bytes"] * (1 + 2)
+
+
+def test_budget_too_small_for_a_units_training_state(tmp_path) -> None:
+    """A host budget that cannot hold one unit's parameters, gradients and state is refused up front."""
+    model = mlp()
+    with pytest.raises(Exception, match=r"memory.host_budget \(64 KiB\) cannot hold the training state.*at least"):
+        with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters()),
+                            **cfg(tmp_path, **{"memory.host_budget": "64KiB"})):
+            pass
+    assert all(p.numel() > 0 for p in model.parameters())

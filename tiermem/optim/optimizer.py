@@ -1,0 +1,401 @@
+"""TieredOptimizer: torch.optim.AdamW/Adam/SGD whose gradients and states live in tiers, not on the device.
+
+# [Note: training state per unit]
+For every unit with trainable parameters there are up to three partitions, each laid out in the same
+order (parameters sorted by optimizer param group), so that one param group of one unit is one
+contiguous range in each of them:
+- the parameters themselves (home `params.tier`), which are also the fp32 master weights when the
+  parameters are fp32;
+- the gradient accumulators, fp32 (home `grads.tier`): a unit's gradients are added here as soon as
+  autograd has accumulated them, and the device copy is dropped;
+- the optimizer state (home `optimizer.tier`): exp_avg / exp_avg_sq (Adam, AdamW; max_exp_avg_sq with
+  amsgrad) or momentum_buffer (SGD with momentum), and fp32 master weights when the parameters are
+  bfloat16/float16.
+`step()` walks the units in order: while unit i is updated on the CPU, unit i+1's partitions are being
+read and unit i-1's written back. The update itself is PyTorch's own functional adam/sgd, called on the
+flat fp32 range of each param group (one vectorised kernel per group and unit), so its arithmetic is
+PyTorch's. A param group whose parameters did not all get a gradient, or whose step counts differ, is
+updated tensor by tensor instead, exactly as torch skips parameters without a gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.adam import adam as adam_update
+from torch.optim.sgd import sgd as sgd_update
+
+from tiermem.errors import TiermemError
+from tiermem.runtime.unit import Unit
+from tiermem.sizes import format_size
+from tiermem.swap import Layout, Partition, TensorSwapper
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+
+
+class OptimizerError(TiermemError):
+    """The optimizer cannot be offloaded as given."""
+
+
+@dataclass
+class GroupRange:
+    """One param group's parameters inside a unit: their FQNs in layout order."""
+
+    group: int
+    fqns: list[str]
+
+
+@dataclass
+class UnitOptimState:
+    """The training state of one unit: which parameters train, and the partitions holding their state."""
+
+    unit: Unit
+    trainable: list[tuple[str, nn.Parameter, int]]  # (FQN, Parameter, param-group index), layout order
+    grads: Partition
+    state: Partition | None
+    ranges: list[GroupRange]
+    steps: dict[str, int] = field(default_factory=dict)  # optimizer steps taken per parameter
+    has_grad: set[str] = field(default_factory=set)  # parameters with a gradient since zero_grad
+    grads_held: bool = False  # the accumulators are acquired for the backward in progress
+
+
+class TieredOptimizer(torch.optim.Optimizer):
+    """Stands in for the user's AdamW/Adam/SGD inside `tiered_offload` (`tm.optimizer`).
+
+    `param_groups` are the original optimizer's own dicts, so changing an lr (by hand or with a
+    torch.optim.lr_scheduler) takes effect. `step()`, `zero_grad()`, `state_dict()` and
+    `load_state_dict()` behave as the original's, with the state kept in tiers.
+    """
+
+    def __init__(self, original: torch.optim.Optimizer, units: list[Unit], swapper: TensorSwapper,
+                 mixed: bool) -> None:
+        if type(original) not in SUPPORTED_OPTIMIZERS:
+            names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
+            raise OptimizerError(f"optimizer: {type(original).__module__}.{type(original).__name__} is not supported "
+                                 f"under tiered_offload; use one of {names}")
+        super().__init__([{**g, "params": list(g["params"])} for g in original.param_groups], original.defaults)
+        self.param_groups = original.param_groups  # shared dicts: lr changes and schedulers act on both
+        self.original = original
+        self.kind = type(original)
+        self.swapper = swapper
+        self.mixed = mixed  # parameters are bf16/fp16: keep fp32 master weights in the state partition
+        self._clip_scale: float | None = None  # clip_grad_norm_'s factor, applied to gradients at step
+        self.index_of: dict[int, int] = {}  # id(param) -> index in torch's state_dict numbering
+        self.group_of: dict[int, int] = {}
+        for g, group in enumerate(original.param_groups):
+            for p in group["params"]:
+                self.group_of[id(p)] = g
+                self.index_of[id(p)] = len(self.index_of)
+        self.units: list[UnitOptimState] = []
+        self.by_unit: dict[int, UnitOptimState] = {}
+        known = {id(p) for u in units for _, p in u.params}
+        stray = [p for p in self.group_of if p not in known]
+        if stray:
+            raise OptimizerError("optimizer: it holds parameters that are not in the offloaded model; build it on "
+                                 "model.parameters() (or groups of them)")
+        plans = []
+        for unit in units:
+            trainable = [(fqn, p, self.group_of[id(p)]) for fqn, p in unit.params
+                         if p.requires_grad and id(p) in self.group_of]
+            if trainable:
+                plans.append((unit, trainable, *self._layouts(unit, trainable)))
+        self._check_budget(units, plans)
+        for unit, trainable, grad_specs, state_specs in plans:
+            st = self._make_state(unit, trainable, grad_specs, state_specs)
+            self.units.append(st)
+            self.by_unit[unit.index] = st
+        if original.state:
+            self.load_state_dict(original.state_dict())
+
+    # -- set-up -------------------------------------------------------------------------------------
+    def _check_budget(self, units: list[Unit], plans: list[Any]) -> None:
+        """Host-homed partitions stay in the pool for good, and the step holds one unit's parameters,
+        gradients and state at once: the host budget must fit both, or training could not proceed."""
+        cfg = self.swapper.config
+        budget = self.swapper.pool.nbytes
+        params_in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device" and not self.swapper.mover.copies)
+        in_host = {"params": params_in_host, "grads": cfg.grads.tier == "cpu", "state": cfg.optimizer.tier == "cpu"}
+        permanent = sum(u.partition.size for u in units) if in_host["params"] else 0
+        working = 0
+        for unit, _, grad_specs, state_specs in plans:
+            sizes = {"params": unit.partition.size, "grads": Layout.of(grad_specs).size,
+                     "state": Layout.of(state_specs).size if state_specs else 0}
+            permanent += sum(v for k, v in sizes.items() if in_host[k] and k != "params")
+            working = max(working, sum(v for k, v in sizes.items() if not in_host[k]))
+        if permanent + working > budget:
+            raise OptimizerError(
+                f"memory.host_budget ({format_size(budget)}) cannot hold the training state: "
+                f"{format_size(permanent)} stays in host memory for good (the tiers set to cpu) and the step needs "
+                f"{format_size(working)} more for one unit's parameters, gradients and optimizer state. Raise "
+                f"memory.host_budget to at least {format_size(2 * working + permanent)}, move tiers to nvme, or use "
+                "smaller units (wrap.classes)"
+            )
+
+    def _layouts(self, unit: Unit, trainable: list[tuple[str, nn.Parameter, int]]) -> tuple[list[Any], list[Any]]:
+        shapes = dict(zip([f for f, _ in unit.params], unit.shapes, strict=True))
+        grad_specs = [(fqn, torch.empty(shapes[fqn], dtype=torch.float32, device="meta")) for fqn, _, _ in trainable]
+        state_specs = [(f"{k}.{fqn}", t) for k in self._state_kinds() for fqn, t in grad_specs]
+        return grad_specs, state_specs
+
+    def _state_kinds(self) -> list[str]:
+        kinds: list[str] = []
+        if self.kind in (torch.optim.Adam, torch.optim.AdamW):
+            kinds = ["exp_avg", "exp_avg_sq"]
+            if any(g.get("amsgrad") for g in self.param_groups):
+                kinds.append("max_exp_avg_sq")
+        elif any(g.get("momentum", 0) for g in self.param_groups):
+            kinds = ["momentum_buffer"]
+        if self.mixed:
+            kinds.append("master")
+        return kinds
+
+    def _make_state(self, unit: Unit, trainable: list[tuple[str, nn.Parameter, int]], grad_specs: list[Any],
+                    state_specs: list[Any]) -> UnitOptimState:
+        cfg = self.swapper.config
+        grads = self.swapper.add(f"{unit.name}#grads", grad_specs, home=cfg.grads.tier, zero=True)
+        state = None
+        if state_specs:
+            master_from = unit.partition if self.mixed else None
+
+            def fill(views: dict[str, torch.Tensor]) -> None:
+                if master_from is None:
+                    return
+                params = self.swapper.acquire(master_from, "host")
+                try:
+                    for fqn, _, _ in trainable:
+                        views[f"master.{fqn}"].copy_(params[fqn])
+                finally:
+                    self.swapper.release(master_from)
+
+            state = self.swapper.add(f"{unit.name}#state", state_specs, home=cfg.optimizer.tier, zero=True,
+                                     fill=fill)
+        ranges: list[GroupRange] = []
+        for fqn, _, g in trainable:
+            if not ranges or ranges[-1].group != g:
+                ranges.append(GroupRange(g, []))
+            ranges[-1].fqns.append(fqn)
+        return UnitOptimState(unit, trainable, grads, state, ranges)
+
+    # -- gradients (called by the runtime during backward) -------------------------------------------
+    def accumulate(self, unit_index: int, fqn: str, grad: torch.Tensor) -> None:
+        """Add one parameter's fresh gradient into its fp32 accumulator."""
+        st = self.by_unit[unit_index]
+        if not st.grads_held:
+            self.swapper.acquire(st.grads, "host")
+            st.grads_held = True
+        view = st.grads.tensors()[fqn]
+        with torch.no_grad():
+            if fqn in st.has_grad:
+                view.add_(grad.to(view.device))
+            else:
+                view.copy_(grad)
+        st.has_grad.add(fqn)
+
+    def finish_grads(self, unit_index: int) -> None:
+        """The unit's backward is over: let its accumulators go (written back if their tier is NVMe)."""
+        st = self.by_unit.get(unit_index)
+        if st is not None and st.grads_held:
+            st.grads_held = False
+            self.swapper.release(st.grads, dirty=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget accumulated gradients (the accumulators are overwritten by the next backward)."""
+        for st in self.units:
+            st.has_grad.clear()
+        self._clip_scale = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Like torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
+        norms: list[torch.Tensor] = []
+        for st in self.units:
+            if not st.has_grad:
+                continue
+            grads = self.swapper.acquire(st.grads, "host")
+            try:
+                norms.extend(torch.linalg.vector_norm(grads[f], norm_type) for f, _, _ in st.trainable
+                             if f in st.has_grad)
+            finally:
+                self.swapper.release(st.grads)
+        if not norms:
+            return torch.tensor(0.0)
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        coef = float(max_norm) / (total + 1e-6)
+        self._clip_scale = float(torch.clamp(coef, max=1.0))
+        return total
+
+    # -- the step -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every unit with gradients, pipelined: read i+1 | update i | write back i-1."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        todo = [st for st in self.units if st.has_grad]
+        for k, st in enumerate(todo):
+            if k + 1 < len(todo):
+                for part in self._parts(todo[k + 1]):
+                    self.swapper.prefetch(part, "host")
+            self._update_unit(st)
+            if st.state is not None and st.state.home.value == "nvme":
+                self.swapper.evict(st.state)  # write-back starts now, overlapping the next update
+        self._clip_scale = None
+        return loss
+
+    def _parts(self, st: UnitOptimState) -> list[Partition]:
+        parts = [st.unit.partition, st.grads]
+        return parts + [st.state] if st.state is not None else parts
+
+    def _update_unit(self, st: UnitOptimState) -> None:
+        sw = self.swapper
+        sw.demote(st.unit.partition)  # a device copy would go stale: the host copy is about to change
+        held: list[Partition] = []
+        try:
+            params = sw.acquire(st.unit.partition, "host")
+            held.append(st.unit.partition)
+            grads = sw.acquire(st.grads, "host")
+            held.append(st.grads)
+            state = sw.acquire(st.state, "host") if st.state is not None else {}
+            if st.state is not None:
+                held.append(st.state)
+            if self._clip_scale is not None:
+                for f in st.has_grad:
+                    grads[f].mul_(self._clip_scale)
+            for rng in st.ranges:
+                self._update_range(st, rng, params, grads, state)
+        finally:
+            for part in held:
+                sw.release(part, dirty=part is not st.grads or self._clip_scale is not None)
+
+    def _update_range(self, st: UnitOptimState, rng: GroupRange, params: dict[str, torch.Tensor],
+                      grads: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+        group = self.param_groups[rng.group]
+        live = [f for f in rng.fqns if f in st.has_grad]
+        if not live:
+            return
+        steps = {st.steps.get(f, 0) for f in live}
+        if len(live) == len(rng.fqns) and len(steps) == 1:
+            batches = [rng.fqns]  # the whole range at once, as one flat tensor per kind
+        else:
+            batches = [[f] for f in live]
+        for fqns in batches:
+            target = state if self.mixed else params
+            prefix = "master." if self.mixed else ""
+            p = _flat(target, [prefix + f for f in fqns])
+            g = _flat(grads, fqns)
+            step = st.steps.get(fqns[0], 0)
+            new_step = self._apply(group, p, g, {k: _flat(state, [f"{k}.{f}" for f in fqns])
+                                                 for k in self._state_kinds() if k != "master"}, step)
+            for f in fqns:
+                st.steps[f] = new_step
+            if self.mixed:
+                for f in fqns:
+                    params[f].copy_(state[f"master.{f}"])
+
+    def _apply(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor],
+               step: int) -> int:
+        """PyTorch's own update on one flat range; returns the new step count."""
+        if self.kind is torch.optim.SGD:
+            momentum = group.get("momentum", 0)
+            buf: list[torch.Tensor | None] = [st["momentum_buffer"] if step > 0 and momentum else None]
+            sgd_update([p], [g], buf, weight_decay=group["weight_decay"], momentum=momentum,
+                                lr=_float(group["lr"]), dampening=group.get("dampening", 0),
+                                nesterov=group.get("nesterov", False), maximize=group.get("maximize", False),
+                                foreach=False)
+            if momentum and step == 0 and buf[0] is not None:
+                st["momentum_buffer"].copy_(buf[0])
+            return step + 1
+        step_t = torch.tensor(float(step))
+        beta1, beta2 = group["betas"]
+        adam_update(
+            [p], [g], [st["exp_avg"]], [st["exp_avg_sq"]],
+            [st["max_exp_avg_sq"]] if group.get("amsgrad") else [], [step_t],
+            foreach=False, fused=None, capturable=False, differentiable=False, has_complex=False,
+            decoupled_weight_decay=group.get("decoupled_weight_decay", self.kind is torch.optim.AdamW),
+            amsgrad=group.get("amsgrad", False), beta1=beta1, beta2=beta2, lr=_float(group["lr"]),
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False))
+        return int(step_t.item())
+
+    # -- torch's state_dict format ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The state in torch.optim's format (parameters numbered as in the original optimizer)."""
+        state: dict[int, dict[str, Any]] = {}
+        kinds = [k for k in self._state_kinds() if k != "master"]
+        for st in self.units:
+            if not st.steps:
+                continue
+            views = self.swapper.acquire(st.state, "host") if st.state is not None else {}
+            try:
+                for fqn, p, g in st.trainable:
+                    if fqn not in st.steps:
+                        continue
+                    if self.kind is torch.optim.SGD and not self.param_groups[g].get("momentum", 0):
+                        continue  # torch keeps no state for plain SGD
+                    entry: dict[str, Any] = {k: views[f"{k}.{fqn}"].clone() for k in kinds}
+                    if self.kind is not torch.optim.SGD:
+                        entry["step"] = torch.tensor(float(st.steps[fqn]))
+                    state[self.index_of[id(p)]] = entry
+            finally:
+                if st.state is not None:
+                    self.swapper.release(st.state)
+        groups = []
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = [self.index_of[id(p)] for p in group["params"]]
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a torch.optim-format state dict (e.g. from the original optimizer or `state_dict()`)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups, strict=True)):
+            raise OptimizerError("load_state_dict: the saved param groups do not match this optimizer's")
+        for saved, group in zip(groups, self.param_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        kinds = [k for k in self._state_kinds() if k != "master"]
+        for st in self.units:
+            views = self.swapper.acquire(st.state, "host") if st.state is not None else {}
+            try:
+                for fqn, p, _ in st.trainable:
+                    entry = saved_state.get(self.index_of[id(p)])
+                    if entry is None:
+                        st.steps.pop(fqn, None)
+                        continue
+                    for k in kinds:
+                        if entry.get(k) is not None:
+                            views[f"{k}.{fqn}"].copy_(entry[k])
+                    st.steps[fqn] = int(entry["step"]) if "step" in entry else st.steps.get(fqn, 0) + 1
+            finally:
+                if st.state is not None:
+                    self.swapper.release(st.state, dirty=True)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not hasattr(self, "units"):  # torch's __init__ adds the groups; those are ours already
+            super().add_param_group(param_group)
+            return
+        raise OptimizerError("add_param_group is not supported inside tiered_offload; add the group before entering")
+
+
+def _flat(views: dict[str, torch.Tensor], names: Iterable[str]) -> torch.Tensor:
+    """One fp32 tensor spanning the named views, which lie in layout order in one buffer."""
+    names = list(names)
+    first, last = views[names[0]], views[names[-1]]
+    if len(names) == 1:
+        return first.reshape(-1)
+    start = first.data_ptr()
+    count = (last.data_ptr() + last.numel() * last.element_size() - start) // first.element_size()
+    return first.reshape(-1).as_strided((count,), (1,))
+
+
+def _float(x: Any) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
