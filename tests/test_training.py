@@ -51,7 +51,7 @@ def run_steps(model: nn.Module, opt: Any, data: list, *, accumulate: int = 1, cl
         for x, y in data[k:k + accumulate]:
             loss = loss_fn(model, x, y) / accumulate
             loss.backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         if clip is not None:
             assert clip_fn is not None
             clip_fn(clip)
@@ -180,7 +180,7 @@ def test_gpt2_tied_weights_train_equal_pytorch(tmp_path) -> None:
             loss = model(ids, labels=ids).loss
             loss.backward()
             step_opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         if ctx:
             ctx.__exit__(None, None, None)
         results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))

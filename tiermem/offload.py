@@ -54,6 +54,19 @@ class OffloadHandle:
         self.config: Config = swapper.config
         self.optimizer = optimizer  # the stand-in for the optimizer passed in (None when not training)
 
+    def save_checkpoint(self, path: str | os.PathLike[str], max_shard_bytes: int = 1 << 30) -> str:
+        """Write weights (sharded safetensors + index, readable by transformers' from_pretrained), buffers and
+        optimizer state to `path`, streaming unit by unit; atomic (temporary directory, then rename)."""
+        from tiermem.checkpointing import save_checkpoint
+
+        return save_checkpoint(self, path, max_shard_bytes)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load what `save_checkpoint` wrote (weights, buffers, optimizer state and steps)."""
+        from tiermem.checkpointing import load_checkpoint
+
+        load_checkpoint(self, path)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
         if self.optimizer is None:

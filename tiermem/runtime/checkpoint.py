@@ -20,11 +20,13 @@ from tiermem.errors import TiermemError
 from tiermem.io.engine import IOEngine
 from tiermem.io.files import IOFile
 
+_NAMES = {}  # torch dtype -> safetensors name, filled below
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_NAMES.update({v: k for k, v in _DTYPES.items()})
 MAX_HEADER = 100 << 20
 
 
@@ -127,3 +129,48 @@ def _load_json(path: str) -> object:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
     except ValueError as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file tensor by tensor: the header first (from names, dtypes and shapes),
+    then each tensor's bytes in the same order, so no more than one tensor is in memory at a time."""
+
+    def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        self.path = path
+        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        offset = 0
+        self.expected: list[tuple[str, int]] = []  # (name, bytes) in write order
+        for name, dtype, shape in specs:
+            if dtype not in _NAMES:
+                raise CheckpointError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+            nbytes = torch.empty(0, dtype=dtype).element_size()
+            for d in shape:
+                nbytes *= d
+            header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self.expected.append((name, nbytes))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want, nbytes = self.expected[self._next]
+        if name != want:
+            raise CheckpointError(f"{self.path}: expected tensor {want!r} next, got {name!r}")
+        data = tensor.detach().contiguous().cpu()
+        view = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        if len(view) != nbytes:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has {len(view)} bytes, the header says {nbytes}")
+        self._file.write(view)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self.expected):
+            self._file.close()
+            raise CheckpointError(f"{self.path}: only {self._next} of {len(self.expected)} tensors were written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
