@@ -264,3 +264,59 @@ def test_budget_too_small_for_a_units_training_state(tmp_path) -> None:
                             **cfg(tmp_path, **{"memory.host_budget": "64KiB"})):
             pass
     assert all(p.numel() > 0 for p in model.parameters())
+
+
+def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path) -> None:
+    """params.dtype bfloat16 trains like the textbook recipe: bf16 compute, fp32 grads and master, AdamW.
+
+    The master weights start from the parameters as stored (cast to bfloat16), as when training a bf16 model.
+    """
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(10)]
+    ref = mlp().bfloat16()
+    master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-3)
+    ref_losses = []
+    for x, y in data:
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), master, strict=True):
+                p.copy_(m)
+        ref.zero_grad()
+        loss = loss_fn(ref, x, y)
+        loss.backward()
+        for p, m in zip(ref.parameters(), master, strict=True):
+            m.grad = p.grad.float()
+        ref_opt.step()
+        ref_losses.append(float(loss.detach()))
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"params.dtype": "bfloat16"})) as tm:
+        losses = run_steps(model, tm.optimizer, data)
+        state = tm.optimizer.by_unit[0].state
+        assert state is not None and any(s.name.startswith("master.") for s in state.layout.slots)
+    assert losses == ref_losses
+    for p, m in zip(model.parameters(), master, strict=True):
+        assert p.dtype == torch.float32  # restored to the model's own dtype on exit
+        assert torch.equal(p.detach(), m.detach().bfloat16().float())
+
+
+def test_float16_dynamic_loss_scaling_skips_overflow_steps(tmp_path) -> None:
+    """float16 params: tm.backward scales the loss; an inf gradient skips the step and halves the scale."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = batches(1)[0]
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"params.dtype": "float16"})) as tm:
+        o = tm.optimizer
+        assert o.loss_scaling and o.scale == 2.0**16
+        with tm.gathered():
+            before = [p.detach().clone() for p in model.parameters()]
+        tm.backward(loss_fn(model, x.half(), y.half()) * 1e6)  # overflows in float16
+        o.step()
+        assert o.skipped_steps == 1 and o.scale == 2.0**15
+        with tm.gathered():
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        o.zero_grad()
+        tm.backward(loss_fn(model, x.half(), y.half()))
+        o.step()
+        assert o.skipped_steps == 1
+        with tm.gathered():
+            assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

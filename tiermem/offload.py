@@ -67,6 +67,10 @@ class OffloadHandle:
 
         load_checkpoint(self, path)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), with the dynamic loss scale applied when parameters are float16 (else the same)."""
+        (self.optimizer.scale_loss(loss) if self.optimizer is not None else loss).backward()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
         if self.optimizer is None:
@@ -169,7 +173,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         if optimizer is not None:
             override = dtype_of(swapper.config.params.dtype)
             handle.optimizer = TieredOptimizer(optimizer, runtime.units, swapper,
-                                               mixed=override not in (None, torch.float32))
+                                               mixed=override not in (None, torch.float32),
+                                               loss_scaling=override is torch.float16)
             runtime.optimizer = handle.optimizer
             patched = _delegate(optimizer, handle.optimizer)
         runtime.register_hooks()

@@ -75,7 +75,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, original: torch.optim.Optimizer, units: list[Unit], swapper: TensorSwapper,
-                 mixed: bool) -> None:
+                 mixed: bool, loss_scaling: bool = False) -> None:
         if type(original) not in SUPPORTED_OPTIMIZERS:
             names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
             raise OptimizerError(f"optimizer: {type(original).__module__}.{type(original).__name__} is not supported "
@@ -87,6 +87,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.swapper = swapper
         self.mixed = mixed  # parameters are bf16/fp16: keep fp32 master weights in the state partition
         self._clip_scale: float | None = None  # clip_grad_norm_'s factor, applied to gradients at step
+        # dynamic loss scaling for float16 parameters, with torch.amp.GradScaler's defaults
+        self.loss_scaling = loss_scaling
+        self.scale = 2.0**16 if loss_scaling else 1.0  # the factor tm.backward multiplies the loss by
+        self.growth_factor, self.backoff_factor, self.growth_interval = 2.0, 0.5, 2000
+        self._good_steps = 0  # steps since the scale last changed
+        self.found_inf = False  # an inf/nan gradient arrived since zero_grad: the next step is skipped
+        self.skipped_steps = 0
         self.index_of: dict[int, int] = {}  # id(param) -> index in torch's state_dict numbering
         self.group_of: dict[int, int] = {}
         for g, group in enumerate(original.param_groups):
@@ -191,6 +198,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.swapper.acquire(st.grads, "host")
             st.grads_held = True
         view = st.grads.tensors()[fqn]
+        if self.loss_scaling and not self.found_inf and not bool(torch.isfinite(grad).all()):
+            self.found_inf = True
         with torch.no_grad():
             if fqn in st.has_grad:
                 view.add_(grad.to(view.device))
@@ -210,6 +219,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         for st in self.units:
             st.has_grad.clear()
         self._clip_scale = None
+        self.found_inf = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
@@ -225,7 +235,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 self.swapper.release(st.grads)
         if not norms:
             return torch.tensor(0.0)
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) / self.scale  # of the unscaled gradients
         coef = float(max_norm) / (total + 1e-6)
         self._clip_scale = float(torch.clamp(coef, max=1.0))
         return total
@@ -238,6 +248,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.loss_scaling and self.found_inf:  # as GradScaler: skip the step, lower the scale
+            self.scale *= self.backoff_factor
+            self._good_steps = 0
+            self.skipped_steps += 1
+            self._clip_scale = None
+            log.info("inf/nan gradients: step skipped, loss scale now %g", self.scale)
+            return loss
         todo = [st for st in self.units if st.has_grad]
         for k, st in enumerate(todo):
             if k + 1 < len(todo):
@@ -247,7 +264,16 @@ class TieredOptimizer(torch.optim.Optimizer):
             if st.state is not None and st.state.home.value == "nvme":
                 self.swapper.evict(st.state)  # write-back starts now, overlapping the next update
         self._clip_scale = None
+        if self.loss_scaling:
+            self._good_steps += 1
+            if self._good_steps == self.growth_interval:
+                self.scale *= self.growth_factor
+                self._good_steps = 0
         return loss
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: multiplied by the dynamic loss scale for float16, else itself."""
+        return loss * self.scale if self.loss_scaling else loss
 
     def _parts(self, st: UnitOptimState) -> list[Partition]:
         parts = [st.unit.partition, st.grads]
@@ -265,14 +291,15 @@ class TieredOptimizer(torch.optim.Optimizer):
             state = sw.acquire(st.state, "host") if st.state is not None else {}
             if st.state is not None:
                 held.append(st.state)
-            if self._clip_scale is not None:
+            factor = (self._clip_scale or 1.0) / self.scale
+            if factor != 1.0:  # unscale (float16) and clip, in one pass
                 for f in st.has_grad:
-                    grads[f].mul_(self._clip_scale)
+                    grads[f].mul_(factor)
             for rng in st.ranges:
                 self._update_range(st, rng, params, grads, state)
         finally:
             for part in held:
-                sw.release(part, dirty=part is not st.grads or self._clip_scale is not None)
+                sw.release(part, dirty=part is not st.grads or (self._clip_scale or 1.0) / self.scale != 1.0)
 
     def _update_range(self, st: UnitOptimState, rng: GroupRange, params: dict[str, torch.Tensor],
                       grads: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
