@@ -1,5 +1,6 @@
 """`tiermem demo`: a GPT-2-shaped transformer several times larger than the host budget, generating text
-from NVMe, with execution-order prefetch and without it, side by side.
+from NVMe, with execution-order prefetch and without it, side by side; then a GPT whose Adam training
+state is several times the host budget, trained for a few steps from NVMe, ending with a checkpoint.
 
 The model is built on the meta device (no weights in RAM) and streamed from a safetensors checkpoint
 straight into swap files; only the host budget's worth of parameters is ever in memory. The checkpoint
@@ -70,6 +71,73 @@ class _TokenProgress:
 
 
 def run(args: argparse.Namespace) -> int:
+    status = 0
+    if args.only in (None, "infer"):
+        status |= run_inference(args)
+    if args.only in (None, "train"):
+        status |= run_training(args)
+    return status
+
+
+def run_training(args: argparse.Namespace) -> int:
+    """Train a GPT whose Adam state is several times the host budget, from NVMe; save a checkpoint."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import tiermem
+
+    budget = parse_size(args.train_budget, what="--train-budget")
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=args.train_layers, n_embd=args.train_width, n_head=max(1, args.train_width // 64),
+                     vocab_size=8192, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg).train()
+    n_params = sum(p.numel() for p in model.parameters())
+    state_bytes = n_params * 16  # fp32 weights, gradients and two Adam moments
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    swap = os.path.join(args.dir, "swap-train")
+    ckpt = os.path.join(args.dir, "train-checkpoint")
+    overrides: dict[str, Any] = {"device": "auto", "params.tier": "nvme", "optimizer.tier": "nvme",
+                                 "grads.tier": "cpu", "nvme.paths": [swap], "memory.host_budget": budget}
+    data = torch.randint(0, 8192, (args.train_steps, 2, 128), generator=torch.Generator().manual_seed(3))
+    times, losses = [], []
+    with tiermem.tiered_offload(model, optimizer=opt, **overrides) as tm:
+        tm.reset_stats()
+        optimizer = tm.optimizer
+        assert optimizer is not None
+        bar = ProgressBar()
+        for step, ids in enumerate(data):
+            t0 = time.perf_counter()
+            loss = model(ids, labels=ids).loss
+            tm.backward(loss)
+            tm.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+            bar(step + 1, len(data), f"training step {step + 1}/{len(data)}  loss {losses[-1]:.3f}")
+        bar.close()
+        s = tm.stats()
+        saved = tm.save_checkpoint(ckpt)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = s["peak_bytes"]
+    steady = times[1:] or times
+    print(f"\nGPT training: {args.train_layers} layers x {args.train_width}, {n_params / 1e6:.1f}M parameters, "
+          f"Adam training state {format_size(state_bytes)} = {state_bytes / budget:.1f}x the host budget "
+          f"({format_size(budget)}); params and optimizer state on NVMe in {swap}")
+    print(f"step time {sum(steady) / len(steady):.2f} s (first step {times[0]:.2f} s), losses "
+          f"{' '.join(f'{x:.3f}' for x in losses)}")
+    moved = s["bytes_read"] + s["bytes_written"]
+    print(f"moved {format_size(moved / len(times))} per step (read {format_size(s['bytes_read'])}, written "
+          f"{format_size(s['bytes_written'])} in all), stall {s['stall_seconds']:.2f} s")
+    print(f"peak device {format_size(peak['device'])}, peak host {format_size(peak['host'])}, NVMe "
+          f"{format_size(peak['nvme'])}, peak RSS of this process {format_size(rss)}")
+    print(f"checkpoint written to {saved} (loads with transformers' from_pretrained)")
+    if not args.keep:
+        shutil.rmtree(swap, ignore_errors=True)
+    return 0
+
+
+def run_inference(args: argparse.Namespace) -> int:
+    """Generate with a GPT-2-shaped model several times the host budget, with and without prefetch."""
     from transformers import GPT2LMHeadModel
 
     import tiermem
@@ -123,7 +191,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=2, help="prefetch.depth")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     p.add_argument("--tokens", type=int, default=12, help="tokens to generate")
-    p.add_argument("--keep", action="store_true", help="keep the swap directory")
+    p.add_argument("--keep", action="store_true", help="keep the swap directories")
+    p.add_argument("--only", choices=["infer", "train"], default=None, help="run one part of the demo")
+    p.add_argument("--train-layers", type=int, default=12)
+    p.add_argument("--train-width", type=int, default=768)
+    p.add_argument("--train-budget", default="512MiB", help="memory.host_budget for training (default 512MiB)")
+    p.add_argument("--train-steps", type=int, default=4)
 
 
 def main(argv: list[str] | None = None) -> int:

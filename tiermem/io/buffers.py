@@ -169,18 +169,27 @@ class HostBufferPool:
         """(address, length) ranges to register with an I/O engine as fixed buffers."""
         return [(self.buffer.address, self.nbytes)]
 
-    def alloc(self, nbytes: int) -> PoolBuffer:
+    def alloc(self, nbytes: int, *, from_top: bool = False) -> PoolBuffer:
+        """A 4 KiB-aligned piece of at least `nbytes`. `from_top` takes it from the high end: long-lived
+        pieces go there, so they do not split the room that short-lived ones come and go in."""
         size = align_up(max(nbytes, 1))
         with self._lock:
-            for i, (off, hole) in enumerate(self._free):
+            holes = range(len(self._free) - 1, -1, -1) if from_top else range(len(self._free))
+            for i in holes:
+                off, hole = self._free[i]
                 if hole >= size:
                     if hole == size:
                         del self._free[i]
+                        start = off
+                    elif from_top:
+                        self._free[i] = (off, hole - size)
+                        start = off + hole - size
                     else:
                         self._free[i] = (off + size, hole - size)
+                        start = off
                     self.used += size
                     self.peak = max(self.peak, self.used)
-                    return PoolBuffer(self, off, size)
+                    return PoolBuffer(self, start, size)
             largest = max((h for _, h in self._free), default=0)
         raise BudgetError(
             f"host buffer pool cannot fit {format_size(size)}: {format_size(self.nbytes - self.used)} free "

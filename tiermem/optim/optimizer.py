@@ -114,8 +114,19 @@ class TieredOptimizer(torch.optim.Optimizer):
             if trainable:
                 plans.append((unit, trainable, *self._layouts(unit, trainable)))
         self._check_budget(units, plans)
-        for unit, trainable, grad_specs, state_specs in plans:
-            st = self._make_state(unit, trainable, grad_specs, state_specs)
+        swapper.evict_idle()  # host-homed state packs at the top of an empty pool, leaving the rest in one piece
+        # host-homed partitions first, all of them, so they sit together at the top of the pool
+        cfg = swapper.config
+        made: dict[tuple[int, str], Partition | None] = {}
+        for kind in sorted(("grads", "state"), key=lambda k: (cfg.grads.tier if k == "grads" else
+                                                             cfg.optimizer.tier) != "cpu"):
+            for unit, trainable, grad_specs, state_specs in plans:
+                made[unit.index, kind] = (self._make_grads(unit, grad_specs) if kind == "grads"
+                                          else self._make_state_part(unit, trainable, state_specs))
+        for unit, trainable, _, _ in plans:
+            grads = made[unit.index, "grads"]
+            assert grads is not None
+            st = self._unit_state(unit, trainable, grads, made[unit.index, "state"])
             self.units.append(st)
             self.by_unit[unit.index] = st
         if original.state:
@@ -163,26 +174,30 @@ class TieredOptimizer(torch.optim.Optimizer):
             kinds.append("master")
         return kinds
 
-    def _make_state(self, unit: Unit, trainable: list[tuple[str, nn.Parameter, int]], grad_specs: list[Any],
-                    state_specs: list[Any]) -> UnitOptimState:
-        cfg = self.swapper.config
-        grads = self.swapper.add(f"{unit.name}#grads", grad_specs, home=cfg.grads.tier, zero=True)
-        state = None
-        if state_specs:
-            master_from = unit.partition if self.mixed else None
+    def _make_grads(self, unit: Unit, grad_specs: list[Any]) -> Partition:
+        return self.swapper.add(f"{unit.name}#grads", grad_specs, home=self.swapper.config.grads.tier, zero=True)
 
-            def fill(views: dict[str, torch.Tensor]) -> None:
-                if master_from is None:
-                    return
-                params = self.swapper.acquire(master_from, "host")
-                try:
-                    for fqn, _, _ in trainable:
-                        views[f"master.{fqn}"].copy_(params[fqn])
-                finally:
-                    self.swapper.release(master_from)
+    def _make_state_part(self, unit: Unit, trainable: list[tuple[str, nn.Parameter, int]],
+                         state_specs: list[Any]) -> Partition | None:
+        if not state_specs:
+            return None
+        master_from = unit.partition if self.mixed else None
 
-            state = self.swapper.add(f"{unit.name}#state", state_specs, home=cfg.optimizer.tier, zero=True,
-                                     fill=fill)
+        def fill(views: dict[str, torch.Tensor]) -> None:
+            if master_from is None:
+                return
+            params = self.swapper.acquire(master_from, "host")
+            try:
+                for fqn, _, _ in trainable:
+                    views[f"master.{fqn}"].copy_(params[fqn])
+            finally:
+                self.swapper.release(master_from)
+
+        return self.swapper.add(f"{unit.name}#state", state_specs, home=self.swapper.config.optimizer.tier,
+                                zero=True, fill=fill)
+
+    def _unit_state(self, unit: Unit, trainable: list[tuple[str, nn.Parameter, int]], grads: Partition,
+                    state: Partition | None) -> UnitOptimState:
         ranges: list[GroupRange] = []
         for fqn, _, g in trainable:
             if not ranges or ranges[-1].group != g:

@@ -334,6 +334,15 @@ class TensorSwapper:
         if self._store is not None:
             self._store.flush()
 
+    def evict_idle(self) -> None:
+        """Evict every idle NVMe partition (writing back the dirty ones) and wait: the host pool is then as
+        empty as it can be, e.g. before placing long-lived partitions so they pack together."""
+        with self._lock:
+            idle = [p for p in self.partitions.values() if p.home is Tier.NVME and not p.users and not p.waiters
+                    and p.state in (Residency.HOST, Residency.DEVICE)]
+        for part in idle:
+            self.evict(part).wait()
+
     def wait_idle(self, part: Partition) -> None:
         """Block until `part` has no transfer in flight."""
         while True:
@@ -498,7 +507,7 @@ class TensorSwapper:
         while True:
             with self._lock:
                 try:
-                    return self.pool.alloc(part.size)
+                    return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME)  # see HostBufferPool.alloc
                 except BudgetError:
                     pass
                 victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
