@@ -320,3 +320,21 @@ def test_float16_dynamic_loss_scaling_skips_overflow_steps(tmp_path) -> None:
         assert o.skipped_steps == 1
         with tm.gathered():
             assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("tiers", [{}, {"params.tier": "cpu", "optimizer.tier": "cpu"}], ids=["nvme", "cpu"])
+def test_update_overlapped_with_backward_equals_pytorch(tmp_path, tiers: dict[str, Any]) -> None:
+    """optimizer.overlap_backward updates each unit during backward; results equal plain PyTorch exactly."""
+    compare(tmp_path, lambda m: torch.optim.AdamW(two_groups(m, lr=3e-3), lr=1e-3), steps=20,
+            **{"optimizer.overlap_backward": True, **tiers})
+
+
+def test_overlap_backward_refuses_clipping(tmp_path) -> None:
+    """Clipping needs all gradients before any update, so it is refused with overlap_backward on."""
+    model = mlp()
+    x, y = batches(1)[0]
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters()),
+                        **cfg(tmp_path, **{"optimizer.overlap_backward": True})) as tm:
+        loss_fn(model, x, y).backward()
+        with pytest.raises(Exception, match="overlap_backward"):
+            tm.clip_grad_norm_(1.0)

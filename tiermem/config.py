@@ -253,8 +253,14 @@ class OptimizerConfig:
     """Where master weights and optimizer states rest: ``cpu`` or ``nvme``. The step runs on the
     host either way."""
 
+    overlap_backward: bool = False
+    """Update each unit as soon as its gradients are complete, during backward, instead of in
+    ``step()``: the update and its state I/O hide behind the rest of backward. Needs one backward per
+    step and no gradient clipping (both need every gradient before any update)."""
+
     def __post_init__(self) -> None:
         self.tier = _choice("optimizer.tier", self.tier, STATE_TIERS)
+        self.overlap_backward = _bool("optimizer.overlap_backward", self.overlap_backward)
 
 
 @dataclass

@@ -64,6 +64,7 @@ class UnitOptimState:
     steps: dict[str, int] = field(default_factory=dict)  # optimizer steps taken per parameter
     has_grad: set[str] = field(default_factory=set)  # parameters with a gradient since zero_grad
     grads_held: bool = False  # the accumulators are acquired for the backward in progress
+    updated: bool = False  # already updated during backward (optimizer.overlap_backward); step() skips it
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -94,6 +95,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._good_steps = 0  # steps since the scale last changed
         self.found_inf = False  # an inf/nan gradient arrived since zero_grad: the next step is skipped
         self.skipped_steps = 0
+        self.overlap = swapper.config.optimizer.overlap_backward  # update units during backward
         self.index_of: dict[int, int] = {}  # id(param) -> index in torch's state_dict numbering
         self.group_of: dict[int, int] = {}
         for g, group in enumerate(original.param_groups):
@@ -229,6 +231,23 @@ class TieredOptimizer(torch.optim.Optimizer):
             st.grads_held = False
             self.swapper.release(st.grads, dirty=True)
 
+    def unit_backward_started(self, unit_index: int) -> None:
+        """Backward reached the unit: with overlap_backward, start reading its optimizer state now."""
+        st = self.by_unit.get(unit_index)
+        if self.overlap and st is not None and st.state is not None:
+            self.swapper.prefetch(st.state, "host")
+
+    def unit_grads_done(self, unit_index: int) -> bool:
+        """All of the unit's gradients are in: with overlap_backward, update it now. True if it was updated."""
+        st = self.by_unit.get(unit_index)
+        if not self.overlap or st is None or not st.has_grad or self.found_inf:
+            return False
+        self._update_unit(st)
+        st.updated = True
+        if st.state is not None and st.state.home.value == "nvme":
+            self.swapper.evict(st.state)
+        return True
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients (the accumulators are overwritten by the next backward)."""
         for st in self.units:
@@ -238,6 +257,9 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
+        if self.overlap:
+            raise OptimizerError("clip_grad_norm_ needs every gradient before any update, but "
+                                 "optimizer.overlap_backward updates during backward; set it to false to clip")
         norms: list[torch.Tensor] = []
         for st in self.units:
             if not st.has_grad:
@@ -270,7 +292,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._clip_scale = None
             log.info("inf/nan gradients: step skipped, loss scale now %g", self.scale)
             return loss
-        todo = [st for st in self.units if st.has_grad]
+        todo = [st for st in self.units if st.has_grad and not st.updated]
+        for st in self.units:
+            st.updated = False
         for k, st in enumerate(todo):
             if k + 1 < len(todo):
                 for part in self._parts(todo[k + 1]):

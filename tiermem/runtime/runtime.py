@@ -148,6 +148,8 @@ class Runtime:
         self._start_backward()
         if i not in self._bwd_held:
             self._bwd_held.add(i)
+            if self.optimizer is not None:
+                self.optimizer.unit_backward_started(i)
             self.enter(i)
 
     def _make_grad_arriving(self, i: int) -> Any:
@@ -165,18 +167,21 @@ class Runtime:
         self._bwd_done[i] = self._bwd_done.get(i, 0) + 1
         if self._bwd_done[i] == self._trainable_count.get(i, 0):
             self._finish_unit_backward(i)
+            self._bwd_done[i] = -1  # finished: the end-of-backward sweep leaves it alone
 
     def _finish_unit_backward(self, i: int) -> None:
+        updated = False
         if self.optimizer is not None:
             self.optimizer.finish_grads(i)
+            updated = self.optimizer.unit_grads_done(i)  # optimizer.overlap_backward: update it now
         if i in self._bwd_held:
             self._bwd_held.discard(i)
-            self.exit(i)
+            self.exit(i, drop=updated)  # an updated unit's device copy is stale: never keep it
 
     def _backward_end(self) -> None:
         """Runs once when autograd finishes a backward: release what it still holds, end the pass."""
-        for i in sorted(self._bwd_held | set(self._bwd_done)):
-            self._finish_unit_backward(i)
+        for i in sorted(self._bwd_held | {j for j, n in self._bwd_done.items() if n >= 0}):
+            self._finish_unit_backward(i)  # units some of whose parameters got no gradient
         self._bwd_done.clear()
         self._in_backward = False
         if self._awaiting_backward:
@@ -245,14 +250,14 @@ class Runtime:
                 self.swapper.demote(self.units[j].partition)
                 self._on_device.discard(j)
 
-    def exit(self, i: int, *, dirty: bool = False) -> None:
-        """Release unit `i`, keeping it on the device if the window needs it again."""
+    def exit(self, i: int, *, dirty: bool = False, drop: bool = False) -> None:
+        """Release unit `i`, keeping it on the device if the window needs it again (unless `drop`)."""
         unit = self.units[i]
         unit.depth -= 1
         if unit.depth > 0:
             return
         unit.unbind()
-        keep = i in self.schedule.window() if self.schedule.order else False
+        keep = not drop and bool(self.schedule.order) and i in self.schedule.window()
         self.swapper.release(unit.partition, keep=keep, dirty=dirty)
         if not keep:
             self._on_device.discard(i)
