@@ -72,7 +72,7 @@ def test_pool_never_exceeds_budget_and_merges_on_free(ops: list[tuple[bool, int]
         for piece in live:
             piece.release()
         assert pool.used == 0
-        assert pool._free == [(0, pool.nbytes)]
+        assert pool._free.holes == [(0, pool.nbytes)]
         assert pool.alloc(pool.nbytes).nbytes == pool.nbytes
 
 
@@ -87,3 +87,13 @@ def test_pinning_requires_cuda() -> None:
         AlignedBuffer(1 << 20, pin=True)
     with AlignedBuffer(1 << 20) as buf:
         assert not buf.pinned
+
+
+def test_long_lived_pieces_go_to_the_top() -> None:
+    """from_top pieces fill the pool from its end, leaving the low room in one piece."""
+    with HostBufferPool(1 << 20) as pool:
+        low = pool.alloc(64 << 10)
+        high = pool.alloc(64 << 10, from_top=True)
+        assert low.offset == 0 and high.offset == pool.nbytes - (64 << 10)
+        low.release()
+        assert pool._free.largest() == pool.nbytes - (64 << 10)

@@ -12,7 +12,6 @@ A pool is allocated once and carved with a first-fit free list; nothing is alloc
 
 from __future__ import annotations
 
-import bisect
 import logging
 import mmap
 import threading
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tiermem.errors import BudgetError
+from tiermem.freelist import FreeList
 from tiermem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class HostBufferPool:
         self.buffer = AlignedBuffer(nbytes, huge_pages=huge_pages, pin=pin, prefault=prefault)
         self.nbytes = self.buffer.nbytes
         self._lock = threading.Lock()
-        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size) holes
+        self._free = FreeList(self.nbytes)  # the pieces not handed out
         self.used = 0  # bytes handed out now
         self.peak = 0  # most bytes handed out at once
 
@@ -174,23 +174,12 @@ class HostBufferPool:
         pieces go there, so they do not split the room that short-lived ones come and go in."""
         size = align_up(max(nbytes, 1))
         with self._lock:
-            holes = range(len(self._free) - 1, -1, -1) if from_top else range(len(self._free))
-            for i in holes:
-                off, hole = self._free[i]
-                if hole >= size:
-                    if hole == size:
-                        del self._free[i]
-                        start = off
-                    elif from_top:
-                        self._free[i] = (off, hole - size)
-                        start = off + hole - size
-                    else:
-                        self._free[i] = (off + size, hole - size)
-                        start = off
-                    self.used += size
-                    self.peak = max(self.peak, self.used)
-                    return PoolBuffer(self, start, size)
-            largest = max((h for _, h in self._free), default=0)
+            start = self._free.take(size, from_top=from_top)
+            if start is not None:
+                self.used += size
+                self.peak = max(self.peak, self.used)
+                return PoolBuffer(self, start, size)
+            largest = self._free.largest()
         raise BudgetError(
             f"host buffer pool cannot fit {format_size(size)}: {format_size(self.nbytes - self.used)} free "
             f"(largest piece {format_size(largest)}) of {format_size(self.nbytes)}; raise memory.host_budget "
@@ -199,16 +188,8 @@ class HostBufferPool:
 
     def free(self, buf: PoolBuffer) -> None:
         with self._lock:
-            i = bisect.bisect_left(self._free, (buf.offset, 0))
-            self._free.insert(i, (buf.offset, buf.nbytes))
+            self._free.give(buf.offset, buf.nbytes)
             self.used -= buf.nbytes
-            # merge with the neighbours so the pool does not fragment
-            if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
-                self._free[i] = (self._free[i][0], self._free[i][1] + self._free[i + 1][1])
-                del self._free[i + 1]
-            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
-                self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
-                del self._free[i]
 
     def close(self) -> None:
         self.buffer.close()

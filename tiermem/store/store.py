@@ -15,7 +15,6 @@ left-overs of a killed process and are removed. On close the files are removed u
 
 from __future__ import annotations
 
-import bisect
 import errno
 import fcntl
 import json
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiermem.errors import StoreError
+from tiermem.freelist import FreeList
 from tiermem.io.buffers import ALIGN, align_up, as_bytes_view
 from tiermem.io.engine import IOEngine
 from tiermem.io.files import IOFile
@@ -85,7 +85,7 @@ class SwapStore:
         self.keep_files = keep_files
         self.closed = False
         self._lock = threading.Lock()
-        self._free: list[tuple[int, int]] = []  # sorted (start, size) holes below `_end`
+        self._free = FreeList()  # holes below `_end`
         self._end = 0  # logical bytes handed out so far (the high-water mark)
         self._file_sizes: list[int] = []  # bytes preallocated in each swap file
         self.used = 0  # logical bytes in live extents
@@ -177,32 +177,19 @@ class SwapStore:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         size = align_up(max(nbytes, 1))
         with self._lock:
-            for i, (start, hole) in enumerate(self._free):
-                if hole >= size:
-                    if hole == size:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (start + size, hole - size)
-                    self.used += size
-                    return Extent(start, size, nbytes)
-            start = self._end
-            self._grow(start + size)
-            self._end = start + size
+            start = self._free.take(size)
+            if start is None:
+                start = self._end
+                self._grow(start + size)
+                self._end = start + size
             self.used += size
             return Extent(start, size, nbytes)
 
     def free(self, extent: Extent) -> None:
         """Give an extent's room back for reuse (its bytes are not erased)."""
         with self._lock:
-            i = bisect.bisect_left(self._free, (extent.start, 0))
-            self._free.insert(i, (extent.start, extent.size))
+            self._free.give(extent.start, extent.size)
             self.used -= extent.size
-            if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
-                self._free[i] = (self._free[i][0], self._free[i][1] + self._free[i + 1][1])
-                del self._free[i + 1]
-            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
-                self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
-                del self._free[i]
 
     def _grow(self, logical_end: int) -> None:
         """Preallocate every file far enough to hold logical bytes [0, logical_end)."""
