@@ -26,6 +26,7 @@ from tiermem.config import Config
 from tiermem.errors import BudgetError, TiermemError
 from tiermem.io.buffers import align_up
 from tiermem.io.engine import IOEngine
+from tiermem.memory import trim
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
 from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint
 from tiermem.runtime.runtime import Runtime
@@ -254,6 +255,7 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
         if ckpt is not None:
             ckpt.close()
     swapper.flush()  # every NVMe partition is on disk before the first forward
+    trim()  # the model's own parameter memory is free now: give it back (see tiermem/memory.py)
     return Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
 
 
