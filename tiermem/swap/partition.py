@@ -37,6 +37,7 @@ class Partition:
         self.version = 0  # bumped on every change of the host copy; a write-back is current only if equal
         self.written_version = -1  # `version` captured when the write in flight started
         self.users = 0  # acquire() calls not yet released; a used partition is never evicted
+        self.prefetched = False  # fetched ahead and not acquired since: evicted only when nothing else can be
         self.last_used = 0  # swapper clock at the last fetch or release, for LRU eviction
         self.pending: IOFuture | None = None  # the one NVMe transfer in flight
         self.free_after_write = False  # the write in flight is an eviction: drop the host buffer after

@@ -255,9 +255,11 @@ class TensorSwapper:
     def prefetch(self, part: Partition, tier: str = "device") -> IOFuture | None:
         """Start a fetch that never blocks: None (nothing started) when host memory is not free now."""
         try:
-            return self.fetch(part, tier, wait_for_memory=False)
+            fut = self.fetch(part, tier, wait_for_memory=False)
         except BudgetError:
             return None
+        part.prefetched = True
+        return fut
 
     def acquire(self, part: Partition, tier: str = "device",
                 before_wait: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
@@ -269,6 +271,7 @@ class TensorSwapper:
         fut = self.fetch(part, tier)
         with self._lock:
             part.users += 1  # counted before waiting, so eviction cannot take it from under us
+            part.prefetched = False
         try:
             if before_wait is not None:
                 before_wait()
@@ -438,6 +441,7 @@ class TensorSwapper:
             self._drive(part)
 
     def _start_eviction(self, part: Partition) -> IOFuture:
+        part.prefetched = False
         if part.dirty:
             return self._start_write(part, free_after=True)
         self._free_host(part)
@@ -534,10 +538,11 @@ class TensorSwapper:
             except Exception as exc:  # a failed write-back keeps its data; report it to this caller
                 raise StoreError(f"could not free host memory for partition {part.name!r}: {exc}") from exc
 
-    def _eviction_key(self, part: Partition) -> tuple[float, int]:
-        """Sort key of eviction candidates: needed last first, then least recently used."""
+    def _eviction_key(self, part: Partition) -> tuple[bool, float, int]:
+        """Sort key of eviction candidates: prefetched-and-not-yet-used last; among the rest the one needed
+        last first, then the least recently used."""
         later = -self.next_use(part) if self.next_use is not None else 0.0
-        return (later, part.last_used)
+        return (part.prefetched, later, part.last_used)
 
     # -- reporting and teardown ---------------------------------------------------------------------
     def stats(self) -> SwapStats:
