@@ -31,7 +31,6 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
 from tiermem.errors import TiermemError
-from tiermem.memory import trim
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
 from tiermem.swap import Layout, Partition, TensorSwapper
@@ -304,7 +303,6 @@ class TieredOptimizer(torch.optim.Optimizer):
             if st.state is not None and st.state.home.value == "nvme":
                 self.swapper.evict(st.state)  # write-back starts now, overlapping the next update
         self._clip_scale = None
-        trim()  # the step's gradients and temporaries are freed: keep resident memory near the budget
         if self.loss_scaling:
             self._good_steps += 1
             if self._good_steps == self.growth_interval:

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from tiermem.memory import trim
 from tiermem.runtime.schedule import Schedule
 from tiermem.runtime.unit import Unit
 from tiermem.swap import Residency, TensorSwapper
@@ -185,7 +184,6 @@ class Runtime:
             self._finish_unit_backward(i)  # units some of whose parameters got no gradient
         self._bwd_done.clear()
         self._in_backward = False
-        trim()  # activations and device-side gradients of this backward are freed
         if self._awaiting_backward:
             self._awaiting_backward = False
             self._finish_pass()
