@@ -31,7 +31,6 @@ import argparse
 import importlib.metadata
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -41,6 +40,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from _common import cpu_model  # noqa: E402 - bench/ is on sys.path when run as a script
 
 from tiermem.benchmark import GB, GIB, block_device_of, disk_stats, system_info
 from tiermem.sizes import format_size, parse_size
@@ -440,7 +441,7 @@ def main(argv: list[str]) -> int:
     devices = [d for d in [block_device_of(directory)] if d]
 
     system = system_info([directory])
-    system["cpu_model"] = _cpu_model()
+    system["cpu_model"] = cpu_model()
     system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     missing, versions = probe_peers(args.deepspeed_threads)
     for engine, state in system["engines"].items():
@@ -515,15 +516,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

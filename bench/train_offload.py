@@ -54,7 +54,6 @@ import argparse
 import importlib.metadata
 import json
 import os
-import platform
 import resource
 import shutil
 import socket
@@ -64,6 +63,8 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from _common import cpu_model, tiermem_tree  # noqa: E402 - bench/ is on sys.path when run as a script
 
 from tiermem.benchmark import GB, system_info
 from tiermem.sizes import format_size, parse_size
@@ -693,10 +694,10 @@ def main(argv: list[str]) -> int:
               f"{MIN_STATE_TO_BUDGET} x (c)'s host budget ({format_size(args.host_budget_bytes)})", file=sys.stderr)
 
     system = system_info([args.swap_dir])
-    system["cpu_model"] = _cpu_model()
+    system["cpu_model"] = cpu_model()
     system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     system["loadavg_start"] = os.getloadavg()
-    system["tiermem_tree"] = _tiermem_tree()
+    system["tiermem_tree"] = tiermem_tree()
     versions = {}
     for name in ("tiermem", "torch", "transformers", "deepspeed"):
         try:
@@ -810,29 +811,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _tiermem_tree() -> dict[str, Any]:
-    """The commit tiermem was measured at, and whether tiermem/ had uncommitted changes (others edit it)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", root, *a], capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD") or None,
-            "uncommitted_in_tiermem": bool(git("status", "--porcelain", "--", "tiermem"))}
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":
