@@ -14,8 +14,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,15 +188,6 @@ def _avg_request(before: dict[str, tuple[int, int, int, int]], after: dict[str, 
         sectors += a[i + 1] - b[i + 1]
     return sectors * 512 / 1024 / ios if ios > 0 else None
 
-
-@contextmanager
-def measure_requests(paths: list[str], write: bool) -> Iterator[dict[str, float | None]]:
-    """Context manager yielding a dict whose 'avg_request_kib' is filled in on exit (for peers' runs)."""
-    devices = sorted({d for d in (block_device_of(p) for p in paths) if d})
-    box: dict[str, float | None] = {"avg_request_kib": None}
-    before = disk_stats(devices)
-    yield box
-    box["avg_request_kib"] = _avg_request(before, disk_stats(devices), write)
 
 
 def _sys_block_dir(device: str | None) -> str | None:

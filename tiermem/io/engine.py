@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 BACKENDS = ("io_uring", "threads")
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_QUEUE_DEPTH = 32
+OP_READ = 0
+OP_WRITE = 1
+RETRYABLE = (errno.EAGAIN, errno.EINTR)  # errno values after which a chunk is simply submitted again
 
 
 class ReadPastEndError(TiermemError, EOFError):
@@ -64,10 +67,6 @@ class Chunk:
             f"{self.file.path}: read of {self.length} bytes at offset {self.offset} goes past the end of the "
             f"file ({self.file.size()} bytes); the file is shorter than the data expected in it"
         )
-
-
-OP_READ = 0
-OP_WRITE = 1
 
 
 class IOEngine(ABC):
@@ -191,6 +190,3 @@ def _log_fallback(reason: str | None) -> None:
     if not _fallback_logged:
         _fallback_logged = True
         log.warning("io_uring is not usable (%s); tiermem uses the threads backend", reason)
-
-
-RETRYABLE = (errno.EAGAIN, errno.EINTR)

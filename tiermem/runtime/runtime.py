@@ -282,9 +282,3 @@ class Runtime:
     def scatter(self, indices: list[int], *, dirty: bool = False) -> None:
         for i in reversed(indices):
             self.exit(i, dirty=dirty)
-
-
-def unit_for_each_param(units: list[Unit]) -> dict[int, int]:
-    """id(Parameter) -> unit index."""
-    return {id(p): u.index for u in units for _, p in u.params}
-

@@ -158,9 +158,6 @@ def _nested(a: UnitPlan, b: UnitPlan) -> bool:
     return any(id(r) in inside_a for r in b.roots) or any(id(r) in inside_b for r in a.roots)
 
 
-def param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
 
 def dtype_of(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
