@@ -102,9 +102,20 @@ def test_info_reports_backends(capsys) -> None:
 def test_demo_runs_small_and_matches_itself(tmp_path) -> None:
     """`tiermem demo` on a tiny shape prints the summary and both runs generate the same tokens."""
     pytest.importorskip("transformers")
-    res = _tiermem("demo", "--dir", str(tmp_path), "--layers", "2", "--width", "64", "--host-budget", "16MiB",
-                   "--tokens", "3", "--prompt", "4")
+    res = _tiermem("demo", "--only", "infer", "--dir", str(tmp_path), "--layers", "2", "--width", "64",
+                   "--host-budget", "16MiB", "--tokens", "3", "--prompt", "4")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "with prefetch" in res.stdout and "without prefetch" in res.stdout
     assert "both runs generated the same tokens: True" in res.stdout
     assert not (tmp_path / "swap").exists()
+
+
+def test_training_demo_runs_small(tmp_path) -> None:
+    """`tiermem demo --only train` on a tiny GPT trains from NVMe, prints the summary and writes a checkpoint."""
+    pytest.importorskip("transformers")
+    res = _tiermem("demo", "--only", "train", "--dir", str(tmp_path), "--train-layers", "1", "--train-width", "64",
+                   "--train-budget", "16MiB", "--train-steps", "2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "step time" in res.stdout and "checkpoint written to" in res.stdout
+    assert (tmp_path / "train-checkpoint" / "model.safetensors.index.json").exists()
+    assert not (tmp_path / "swap-train").exists()
