@@ -175,3 +175,27 @@ def test_prefetch_overlaps_reads_with_compute(tmp_path) -> None:
     assert s_stats["bytes_read"] > 0 and o_stats["bytes_read"] > 0  # both really read from the slow disk
     assert overlapped < serial
     assert o_stats["stall_seconds"] < s_stats["stall_seconds"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_working_set_stays_within_the_window(tmp_path) -> None:
+    """On CUDA, allocated device memory beyond activations stays within (1 + depth) units, outputs match."""
+    model = equal_layers(n=8, width=1024)
+    x = torch.randn(4, 1024)
+    with torch.no_grad():
+        ref = model(x)
+    settings = cfg(tmp_path, device="cuda", **{"memory.host_budget": "32MiB"})
+    with torch.no_grad(), tiered_offload(model, **settings) as tm:
+        unit = tm.units[0].nbytes
+        xc = x.cuda()
+        model(xc)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = model(xc)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert tm.stats()["peak_bytes"]["device"] <= 3 * unit
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-5)
+    activations = 2 * 4 * 1024 * 4
+    assert peak <= 3 * unit + activations + (2 << 20)

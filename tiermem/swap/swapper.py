@@ -281,6 +281,10 @@ class TensorSwapper:
                 part.users -= 1
             raise
         self.mover.make_current_wait(part.ready_event)
+        if part.device_data is not None and self.mover.copies:
+            # allocated on the side stream, used on the compute stream: the caching allocator must not
+            # hand this memory out again before the compute stream is done with it
+            part.device_data.record_stream(torch.cuda.current_stream(self.device))
         return part.tensors()
 
     def release(self, part: Partition, *, dirty: bool = False, keep: bool = False) -> None:
