@@ -151,7 +151,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         **overrides: dotted config keys, e.g. ``**{"prefetch.depth": 4}`` or ``prefetch__depth=4``.
 
     Yields:
-        an OffloadHandle (`tm`) with ``stats()``, ``reset_stats()`` and ``gathered()``.
+        an OffloadHandle (`tm`): ``stats()``, ``reset_stats()``, ``gathered()``, and for training
+        ``optimizer``, ``backward(loss)``, ``clip_grad_norm_()``, ``save_checkpoint()``, ``load_checkpoint()``.
     """
     if getattr(model, _ATTR, None) is not None:
         raise OffloadError(f"{type(model).__name__} is already inside tiered_offload; exit that context before "
