@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -33,3 +34,11 @@ def tiermem_tree() -> dict[str, Any]:
 
     return {"commit": git("rev-parse", "HEAD") or None,
             "uncommitted_in_tiermem": bool(git("status", "--porcelain", "--", "tiermem"))}
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    """Write a benchmark's report where docs/benchmarks.md quotes it from."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(f"JSON written to {path}")

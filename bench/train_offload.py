@@ -64,7 +64,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from _common import cpu_model, tiermem_tree  # noqa: E402 - bench/ is on sys.path when run as a script
+from _common import cpu_model, tiermem_tree, write_json  # bench/ is on sys.path when run as a script
 
 from tiermem.benchmark import GB, system_info
 from tiermem.sizes import format_size, parse_size
@@ -804,15 +804,8 @@ def main(argv: list[str]) -> int:
             "measure_seconds": measure_s,
             "wall_seconds": wall_s,
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-        print(f"JSON written to {args.json}")
+        write_json(args.json, report)
     return 0
-
-
-
-
 
 
 if __name__ == "__main__":

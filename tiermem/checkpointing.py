@@ -70,7 +70,7 @@ def load_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str]) -> None:
     engine = tm.swapper.engine
     try:
         names = {fqn for u in tm.units for fqn, _ in u.params}
-        missing = sorted(n for n in names if n not in weights.entries and not _alias_in(tm, n, weights))
+        missing = sorted(n for n in names if n not in weights.entries)
         if missing:
             raise CheckpointError(f"{folder}: parameters {missing[:5]} are not in the checkpoint; it was saved from "
                                   "another model")
@@ -78,7 +78,7 @@ def load_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str]) -> None:
             views = tm.swapper.acquire(unit.partition, "host")
             try:
                 for fqn, _ in unit.params:
-                    weights.read_into(engine, _stored_name(tm, fqn, weights), views[fqn])
+                    weights.read_into(engine, fqn, views[fqn])
             finally:
                 tm.swapper.release(unit.partition, dirty=True)
         for name, buf in _persistent_buffers(tm.model):
@@ -106,20 +106,6 @@ def _persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
         for name, buf in mod._buffers.items():
             if buf is not None and name not in mod._non_persistent_buffers_set:
                 yield (f"{mod_name}.{name}" if mod_name else name), buf
-
-
-def _alias_in(tm: OffloadHandle, fqn: str, ckpt: SafetensorsCheckpoint) -> bool:
-    try:
-        _stored_name(tm, fqn, ckpt)
-        return True
-    except CheckpointError:
-        return False
-
-
-def _stored_name(tm: OffloadHandle, fqn: str, ckpt: SafetensorsCheckpoint) -> str:
-    if fqn in ckpt.entries:
-        return fqn
-    raise CheckpointError(f"parameter {fqn!r} is not in checkpoint {ckpt.path}")
 
 
 # -- optimizer ----------------------------------------------------------------------------------------

@@ -663,13 +663,7 @@ def _apply_override(raw: dict[str, Any], key: str, value: object) -> None:
         child = dict(child)
         node[part] = child
         node = child
-    last = parts[-1]
-    if isinstance(value, Mapping) and isinstance(node.get(last), Mapping):
-        merged = dict(node[last])
-        _merge(merged, value)
-        node[last] = merged
-    else:
-        node[last] = value
+    _merge(node, {parts[-1]: value})  # a mapping value merges into its section, anything else replaces
 
 
 def load_config(

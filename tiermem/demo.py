@@ -60,7 +60,7 @@ class _TokenProgress:
 
     def __init__(self, total: int, label: str) -> None:
         self.bar = ProgressBar()
-        self.total, self.label, self.count, self.first = total, label, -1, True
+        self.total, self.label, self.count = total, label, -1
 
     def put(self, value: torch.Tensor) -> None:
         self.count += 1  # the first put is the prompt

@@ -24,7 +24,6 @@ from torch import nn
 
 from tiermem.config import Config
 from tiermem.errors import BudgetError, TiermemError
-from tiermem.io.buffers import align_up
 from tiermem.io.engine import IOEngine
 from tiermem.memory import trim
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
@@ -33,7 +32,7 @@ from tiermem.runtime.runtime import Runtime
 from tiermem.runtime.unit import Unit
 from tiermem.runtime.wrap import UnitPlan, WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size
-from tiermem.swap import TensorSwapper
+from tiermem.swap import Layout, TensorSwapper
 
 log = logging.getLogger(__name__)
 
@@ -260,15 +259,19 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
     return Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
 
 
+def _unit_specs(up: UnitPlan, override: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
+    """(FQN, meta tensor) for each parameter of a unit, in its storage dtype (params.dtype applied)."""
+    return [(fqn, torch.empty(p.shape, dtype=override if override is not None and p.is_floating_point() else p.dtype,
+                              device="meta")) for fqn, p in up.params.items()]
+
+
 def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | None) -> None:
     """Tiers that hold every parameter in host memory must fit the host budget: say so before packing."""
     cfg = swapper.config
     in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device" and not swapper.mover.copies)
     if not in_host:
         return
-    total = sum(align_up(sum(p.numel() * (torch.empty(0, dtype=override).element_size()
-                                          if override is not None and p.is_floating_point() else p.element_size())
-                             for p in u.params.values()) + 64 * len(u.params)) for u in plan.units)
+    total = sum(Layout.of(_unit_specs(u, override)).size for u in plan.units)
     if total > swapper.pool.nbytes:
         raise BudgetError(
             f"params.tier: {cfg.params.tier} keeps every parameter in host memory here, {format_size(total)}, but "
@@ -280,10 +283,7 @@ def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | 
 def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, ckpt: SafetensorsCheckpoint | None,
                override: torch.dtype | None, aliases: dict[str, str],
                holders: dict[int, list[tuple[nn.Module, str]]]) -> Unit:
-    def storage_dtype(p: nn.Parameter) -> torch.dtype:
-        return override if override is not None and p.is_floating_point() else p.dtype
-
-    specs = [(fqn, torch.empty(p.shape, dtype=storage_dtype(p), device="meta")) for fqn, p in up.params.items()]
+    specs = _unit_specs(up, override)
 
     def fill(views: dict[str, torch.Tensor]) -> None:
         for fqn, p in up.params.items():

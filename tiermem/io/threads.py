@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -70,6 +71,6 @@ def _serve(chunk: Chunk) -> BaseException | None:
                 continue
             return chunk.error(exc.errno or 0)
         if done == 0:
-            return chunk.past_end() if chunk.op == OP_READ else chunk.error(28)  # ENOSPC on a zero write
+            return chunk.past_end() if chunk.op == OP_READ else chunk.error(errno.ENOSPC)  # a write that moves nothing
         chunk.advance(done)
     return None

@@ -154,7 +154,7 @@ class UringEngine(IOEngine):
             r.user_data, r.addr, r.offset, r.len = _WAKE, int(_native.ffi.cast("uintptr_t", self._wake_buf)), 0, 8
             r.fd, r.op, r.buf_index = self._wake_fd, _native.OP_READ, -1
             n = 1
-        staged: list[int] = []
+        wake_staged = n == 1  # the eventfd wake read goes in with this batch
         with self._lock:
             room = self.queue_depth - len(self._inflight)
             while room > 0 and self._pending:
@@ -162,7 +162,6 @@ class UringEngine(IOEngine):
                 cid = self._next_id
                 self._next_id += 1
                 self._inflight[cid] = chunk
-                staged.append(cid)
                 r = reqs[n]
                 r.user_data, r.addr, r.offset, r.len = cid, chunk.address, chunk.offset, chunk.length
                 r.fd = chunk.file.fd_for(chunk.address, chunk.offset, chunk.length)
@@ -180,7 +179,7 @@ class UringEngine(IOEngine):
                     cid = int(reqs[i].user_data)
                     if cid != _WAKE:
                         self._pending.appendleft(self._inflight.pop(cid))
-        if n > len(staged) and queued > 0:
+        if wake_staged and queued > 0:
             self._wake_armed = True
         return queued
 

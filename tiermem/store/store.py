@@ -89,6 +89,7 @@ class SwapStore:
         self._end = 0  # logical bytes handed out so far (the high-water mark)
         self._file_sizes: list[int] = []  # bytes preallocated in each swap file
         self.used = 0  # logical bytes in live extents
+        self.peak = 0  # most bytes in live extents at once (the swapper resets it with its stats)
         self.run_dirs: list[str] = []  # one per path, in path order
         self.files: list[IOFile] = []  # the swap file in each run directory
         self._lock_fds: list[int] = []  # flock holders, one per run directory
@@ -183,6 +184,7 @@ class SwapStore:
                 self._grow(start + size)
                 self._end = start + size
             self.used += size
+            self.peak = max(self.peak, self.used)
             return Extent(start, size, nbytes)
 
     def free(self, extent: Extent) -> None:

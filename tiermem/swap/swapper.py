@@ -552,13 +552,16 @@ class TensorSwapper:
     def stats(self) -> SwapStats:
         with self._lock:
             snap = self.ledger.snapshot()
-            snap.now["nvme"] = snap.peak["nvme"] = self._store.used if self._store else 0
+            snap.now["nvme"] = self._store.used if self._store else 0
+            snap.peak["nvme"] = self._store.peak if self._store else 0
             return SwapStats(snap, self.bytes_read, self.bytes_written, self.evictions, len(self.partitions))
 
     def reset_stats(self) -> None:
         with self._lock:
             self.ledger.reset_peaks()
             self.bytes_read = self.bytes_written = self.evictions = 0
+            if self._store is not None:
+                self._store.peak = self._store.used
 
     def close(self) -> None:
         """Wait for transfers in flight, then release host memory, swap files and the engine."""
