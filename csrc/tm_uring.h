@@ -1,9 +1,13 @@
 /*
- * tiermem's native core: a thin, data-only layer over liburing.
+ * tiermem's native core: an io_uring transfer pipeline over liburing.
  *
- * Every function returns 0 (or a count) on success and a negative errno on failure; none of them
- * holds policy. Splitting, queue depth, retries and fallbacks are decided in Python
- * (tiermem/io/uring.py), which calls these with the GIL released.
+ * Python hands over whole transfers (a buffer, a file, an offset, a length). The core splits each one
+ * into block-size chunks, keeps at most `queue_depth` chunks in the ring, resubmits short and
+ * -EAGAIN/-EINTR chunks, and reports a transfer once, when its last chunk has finished. So the cost
+ * that Python pays is per transfer, and the per-chunk work (the part that tracks the request count,
+ * like fio's) stays in C. See [Note: the ring loop] in tiermem/io/uring.py for the threading.
+ *
+ * Every function returns 0 (or a count) on success and a negative errno on failure.
  */
 #ifndef TM_URING_H
 #define TM_URING_H
@@ -12,36 +16,52 @@
 
 #define TM_OP_READ 0
 #define TM_OP_WRITE 1
-#define TM_OP_NOP 2
 
-struct tm_ring;
+/* tm_done.res for a read that reached the end of the file before its last byte */
+#define TM_ERR_EOF 1
 
-/* One request to queue: `buf_index` >= 0 selects a registered (fixed) buffer that holds `addr`. */
-struct tm_req {
+/* tm_engine_stats: submit system calls, chunks put in the ring (resubmissions included), chunks that
+ * used a registered buffer, chunks resubmitted after a short transfer or -EAGAIN/-EINTR */
+#define TM_STAT_SUBMITS 0
+#define TM_STAT_CHUNKS 1
+#define TM_STAT_FIXED 2
+#define TM_STAT_RETRIES 3
+#define TM_NSTATS 4
+
+struct tm_engine;
+
+/* One transfer. Chunks whose address, offset and length are all multiples of `align` go to `fd`
+ * (O_DIRECT); the others (odd tails, unaligned buffers) go to `buffered_fd`. align 0: always `fd`. */
+struct tm_xfer {
     uint64_t user_data;
     uint64_t addr;
     uint64_t offset;
-    uint32_t len;
+    uint64_t len;
     int32_t fd;
+    int32_t buffered_fd;
     int32_t op;
-    int32_t buf_index;
+    uint32_t align;
 };
 
-/* One completion: `res` is the byte count or a negative errno. */
-struct tm_cqe {
+/* A finished transfer. res: 0, a negative errno, or TM_ERR_EOF. On failure err_offset/err_len
+ * describe the first chunk that failed (its file offset and the bytes it still had to move). */
+struct tm_done {
     uint64_t user_data;
     int32_t res;
-    uint32_t flags;
+    uint32_t pad;
+    uint64_t err_offset;
+    uint64_t err_len;
 };
 
-int tm_ring_open(unsigned entries, int sqpoll, unsigned sq_idle_ms, struct tm_ring **out);
-void tm_ring_close(struct tm_ring *ring);
-unsigned tm_ring_sq_entries(struct tm_ring *ring);
-unsigned tm_ring_features(struct tm_ring *ring);
-int tm_ring_register_buffers(struct tm_ring *ring, const uint64_t *addrs, const uint64_t *lens, unsigned n);
-int tm_ring_unregister_buffers(struct tm_ring *ring);
-int tm_ring_submit(struct tm_ring *ring, const struct tm_req *reqs, unsigned n);
-int tm_ring_reap(struct tm_ring *ring, struct tm_cqe *out, unsigned max, unsigned wait_nr);
+int tm_engine_open(unsigned queue_depth, uint32_t block_size, int sqpoll, unsigned sq_idle_ms,
+                   struct tm_engine **out);
+void tm_engine_close(struct tm_engine *eng);
+int tm_engine_start(struct tm_engine *eng);
+int tm_engine_enqueue(struct tm_engine *eng, const struct tm_xfer *xfers, unsigned n);
+int tm_engine_run(struct tm_engine *eng, struct tm_done *out, unsigned max);
+void tm_engine_kick(struct tm_engine *eng, int stop);
+int tm_engine_register_buffers(struct tm_engine *eng, const uint64_t *addrs, const uint64_t *lens, unsigned n);
+void tm_engine_stats(struct tm_engine *eng, uint64_t *out);
 int tm_ring_probe(void);
 
 #endif

@@ -2,9 +2,12 @@
 
 Each measurement writes or reads `size` bytes of one swap extent (striped across every path) in
 requests of `block_size`, keeping `queue_depth` requests in flight, from a pool of queue_depth
-aligned buffers (no more host memory than that). Reads go around the page cache: with O_DIRECT, or,
-where a filesystem refuses it, after dropping the file's pages with posix_fadvise(DONTNEED), which
-the result records as `direct: false` and `cache: "dropped"`.
+aligned blocks (no more host memory than that). The benchmark hands the engine transfers of a quarter
+of the pool (TRANSFERS_IN_FLIGHT of them at a time), which the engine splits into block-size requests,
+as it does for the swapper's partition-sized transfers; the kernel sees the same requests either way.
+Reads go around the page cache: with O_DIRECT, or, where a filesystem refuses it, after dropping the
+file's pages with posix_fadvise(DONTNEED), which the result records as `direct: false` and
+`cache: "dropped"`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tiermem.store import Extent, SwapStore
 
 GB = 1e9
 GIB = 1 << 30
+TRANSFERS_IN_FLIGHT = 4  # the engine gets transfers of queue_depth / 4 blocks
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, label)
 
@@ -80,13 +84,14 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
                 SwapStore(spec.paths, engine, stripe_size=spec.stripe_size or bs, direct=spec.direct) as store, \
                 HostBufferPool(bs * qd, prefault=True) as pool:
             engine.register_buffers(pool.regions)
-            slots = [pool.alloc(bs) for _ in range(qd)]
+            per = transfer_size(bs, qd)
+            slots = [pool.alloc(per) for _ in range(bs * qd // per)]
             for i, s in enumerate(slots):
                 s.numpy()[:] = (i * 37 + 11) & 0xFF  # not zeros: some devices shortcut zero pages
             extent = store.allocate(spec.size)
             devices = sorted({d for d in (block_device_of(p) for p in spec.paths) if d})
             if "write" not in spec.modes:  # reads need data there first; not timed
-                _stream(store, extent, slots, spec.size, bs, write=True, tick=lambda n: tick(n, "preparing"))
+                _stream(store, extent, slots, spec.size, per, write=True, tick=lambda n: tick(n, "preparing"))
                 store.flush()
             for mode in spec.modes:
                 samples, cpu, reqs = [], [], []
@@ -98,7 +103,7 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
                         _drop_cache(store)
                     before = disk_stats(devices)
                     cpu0, t0 = time.process_time(), time.perf_counter()
-                    _stream(store, extent, slots, spec.size, bs, write=write, tick=advance)
+                    _stream(store, extent, slots, spec.size, per, write=write, tick=advance)
                     if write and not store.direct:
                         store.flush()  # buffered writes must reach the disk to count
                     elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
@@ -111,6 +116,7 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
                     "mode": mode,
                     "block_size": bs,
                     "queue_depth": qd,
+                    "transfer_size": per,
                     "bytes": spec.size,
                     "runs": spec.runs,
                     "gbps_mean": statistics.fmean(samples),
@@ -125,17 +131,22 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
     return results
 
 
-def _stream(store: SwapStore, extent: Extent, slots: list[PoolBuffer], size: int, bs: int, *, write: bool,
+def transfer_size(block_size: int, queue_depth: int) -> int:
+    """Bytes per transfer handed to the engine: a whole number of blocks, TRANSFERS_IN_FLIGHT fill the queue."""
+    return block_size * max(1, queue_depth // TRANSFERS_IN_FLIGHT)
+
+
+def _stream(store: SwapStore, extent: Extent, slots: list[PoolBuffer], size: int, per: int, *, write: bool,
             tick: Callable[[int], None]) -> None:
-    """Move `size` bytes of the extent in `bs` requests, one per slot, keeping every slot busy."""
+    """Move `size` bytes of the extent in transfers of `per` bytes, one per slot, keeping every slot busy."""
     op = store.write if write else store.read
     inflight: list[IOFuture | None] = [None] * len(slots)
-    for i, offset in enumerate(range(0, size, bs)):
+    for i, offset in enumerate(range(0, size, per)):
         k = i % len(slots)
         prev = inflight[k]
         if prev is not None:
             tick(prev.wait())
-        inflight[k] = op(extent, slots[k].view, min(bs, size - offset), offset)
+        inflight[k] = op(extent, slots[k].view, min(per, size - offset), offset)
     for f in inflight:
         if f is not None:
             tick(f.wait())

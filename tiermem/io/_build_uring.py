@@ -16,31 +16,36 @@ ffibuilder.cdef(
     """
     #define TM_OP_READ 0
     #define TM_OP_WRITE 1
-    #define TM_OP_NOP 2
-    struct tm_ring;
-    struct tm_req {
+    #define TM_ERR_EOF 1
+    struct tm_engine;
+    struct tm_xfer {
         uint64_t user_data;
         uint64_t addr;
         uint64_t offset;
-        uint32_t len;
+        uint64_t len;
         int32_t fd;
+        int32_t buffered_fd;
         int32_t op;
-        int32_t buf_index;
+        uint32_t align;
     };
-    struct tm_cqe {
+    struct tm_done {
         uint64_t user_data;
         int32_t res;
-        uint32_t flags;
+        uint32_t pad;
+        uint64_t err_offset;
+        uint64_t err_len;
     };
-    int tm_ring_open(unsigned entries, int sqpoll, unsigned sq_idle_ms, struct tm_ring **out);
-    void tm_ring_close(struct tm_ring *ring);
-    unsigned tm_ring_sq_entries(struct tm_ring *ring);
-    unsigned tm_ring_features(struct tm_ring *ring);
-    int tm_ring_register_buffers(struct tm_ring *ring, const uint64_t *addrs, const uint64_t *lens,
-                                 unsigned n);
-    int tm_ring_unregister_buffers(struct tm_ring *ring);
-    int tm_ring_submit(struct tm_ring *ring, const struct tm_req *reqs, unsigned n);
-    int tm_ring_reap(struct tm_ring *ring, struct tm_cqe *out, unsigned max, unsigned wait_nr);
+    int tm_engine_open(unsigned queue_depth, uint32_t block_size, int sqpoll, unsigned sq_idle_ms,
+                       struct tm_engine **out);
+    void tm_engine_close(struct tm_engine *eng);
+    int tm_engine_start(struct tm_engine *eng);
+    int tm_engine_enqueue(struct tm_engine *eng, const struct tm_xfer *xfers, unsigned n);
+    int tm_engine_run(struct tm_engine *eng, struct tm_done *out, unsigned max);
+    void tm_engine_kick(struct tm_engine *eng, int stop);
+    int tm_engine_register_buffers(struct tm_engine *eng, const uint64_t *addrs, const uint64_t *lens,
+                                   unsigned n);
+    #define TM_NSTATS 4
+    void tm_engine_stats(struct tm_engine *eng, uint64_t *out);
     int tm_ring_probe(void);
     """
 )
@@ -51,6 +56,7 @@ ffibuilder.set_source(
     include_dirs=[_CSRC],
     libraries=["uring"],
     extra_compile_args=["-O2", "-Wall"],
+    extra_link_args=["-pthread"],
 )
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build machine
 
 OP_READ = 0
 OP_WRITE = 1
-OP_NOP = 2
+ERR_EOF = 1  # tm_done.res of a read that reached the end of the file
 
 
 def check(ret: int, what: str, path: str | None = None) -> int:
@@ -50,39 +50,30 @@ def _read_sysctl(path: str) -> str | None:
         return None
 
 
-class Ring:
-    """An owned io_uring instance; a context manager. Methods map 1:1 to csrc/tm_uring.c."""
+class NativeEngine:
+    """The C transfer pipeline (csrc/tm_uring.c); methods map 1:1 to its functions."""
 
-    def __init__(self, entries: int, *, sqpoll: bool = False, sq_idle_ms: int = 1000) -> None:
+    def __init__(self, queue_depth: int, block_size: int, *, sqpoll: bool = False, sq_idle_ms: int = 1000) -> None:
         if lib is None:
             raise OSError(0, IMPORT_ERROR or "io_uring core missing")
-        out = ffi.new("struct tm_ring **")
-        check(lib.tm_ring_open(entries, 1 if sqpoll else 0, sq_idle_ms, out), "io_uring_queue_init")
-        self._ring: Any = out[0]  # the C handle; NULL after close()
-        self.entries: int = lib.tm_ring_sq_entries(self._ring)
+        out = ffi.new("struct tm_engine **")
+        check(lib.tm_engine_open(queue_depth, block_size, 1 if sqpoll else 0, sq_idle_ms, out),
+              "io_uring_queue_init")
+        self.handle: Any = out[0]  # the C handle; NULL after close()
 
     def register_buffers(self, regions: list[tuple[int, int]]) -> None:
+        """Only on the thread that calls run()."""
         addrs = ffi.new("uint64_t[]", [a for a, _ in regions])
         lens = ffi.new("uint64_t[]", [n for _, n in regions])
-        check(lib.tm_ring_register_buffers(self._ring, addrs, lens, len(regions)), "io_uring_register_buffers")
+        check(lib.tm_engine_register_buffers(self.handle, addrs, lens, len(regions)), "io_uring_register_buffers")
 
-    def unregister_buffers(self) -> None:
-        check(lib.tm_ring_unregister_buffers(self._ring), "io_uring_unregister_buffers")
-
-    def submit(self, reqs: Any, n: int) -> int:
-        """Queue `n` entries of the cdata array `reqs` and submit once; return how many were queued."""
-        return check(lib.tm_ring_submit(self._ring, reqs, n), "io_uring_submit")
-
-    def reap(self, out: Any, max_n: int, wait_nr: int) -> int:
-        return check(lib.tm_ring_reap(self._ring, out, max_n, wait_nr), "io_uring_wait_cqe")
+    def stats(self) -> dict[str, int]:
+        """Counters of the core: submit calls, chunks, chunks in registered buffers, resubmitted chunks."""
+        out = ffi.new("uint64_t[]", lib.TM_NSTATS)
+        lib.tm_engine_stats(self.handle, out)
+        return dict(zip(("submits", "chunks", "fixed_chunks", "retries"), (int(v) for v in out), strict=True))
 
     def close(self) -> None:
-        if self._ring is not None:
-            lib.tm_ring_close(self._ring)
-            self._ring = None
-
-    def __enter__(self) -> Ring:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        if self.handle is not None:
+            lib.tm_engine_close(self.handle)
+            self.handle = None

@@ -58,15 +58,23 @@ class Chunk:
         self.view_offset += done
 
     def error(self, err: int) -> OSError:
-        verb = "read" if self.op == OP_READ else "write"
-        return OSError(err, f"{verb} of {self.length} bytes at offset {self.offset}: {os.strerror(err)}",
-                       self.file.path)
+        return transfer_error(self.file, self.op, err, self.length, self.offset)
 
     def past_end(self) -> ReadPastEndError:
-        return ReadPastEndError(
-            f"{self.file.path}: read of {self.length} bytes at offset {self.offset} goes past the end of the "
-            f"file ({self.file.size()} bytes); the file is shorter than the data expected in it"
-        )
+        return past_end_error(self.file, self.length, self.offset)
+
+
+def transfer_error(file: IOFile, op: int, err: int, length: int, offset: int) -> OSError:
+    """The OSError for a failed piece of a transfer: the verb, the bytes, the offset and the file."""
+    verb = "read" if op == OP_READ else "write"
+    return OSError(err, f"{verb} of {length} bytes at offset {offset}: {os.strerror(err)}", file.path)
+
+
+def past_end_error(file: IOFile, length: int, offset: int) -> ReadPastEndError:
+    return ReadPastEndError(
+        f"{file.path}: read of {length} bytes at offset {offset} goes past the end of the "
+        f"file ({file.size()} bytes); the file is shorter than the data expected in it"
+    )
 
 
 class IOEngine(ABC):
@@ -107,20 +115,23 @@ class IOEngine(ABC):
             raise ValueError(f"{file.path}: nbytes={nbytes} does not fit the {len(view)}-byte buffer")
         if offset < 0:
             raise ValueError(f"{file.path}: offset must be >= 0, got {offset}")
-        base = buffer_address(view) if nbytes else 0
+        if nbytes == 0:
+            return IOFuture(0, 0)
+        return self._start(op, file, view, buffer_address(view), nbytes, offset)
+
+    def _start(self, op: int, file: IOFile, view: memoryview, address: int, nbytes: int, offset: int) -> IOFuture:
+        """Begin a checked, non-empty transfer. By default: block-size Chunks handed to `_submit`."""
         bs = self.block_size
-        count = (nbytes + bs - 1) // bs
-        future = IOFuture(nbytes, count, keepalive=view)
-        if count:
-            self._submit([
-                Chunk(future, file, op, base + pos, min(bs, nbytes - pos), offset + pos, view, pos)
-                for pos in range(0, nbytes, bs)
-            ])
+        future = IOFuture(nbytes, (nbytes + bs - 1) // bs, keepalive=view)
+        self._submit([
+            Chunk(future, file, op, address + pos, min(bs, nbytes - pos), offset + pos, view, pos)
+            for pos in range(0, nbytes, bs)
+        ])
         return future
 
-    @abstractmethod
     def _submit(self, chunks: list[Chunk]) -> None:
         """Queue chunks; each one calls `chunk.future._chunk_done(error)` exactly once."""
+        raise NotImplementedError
 
     @abstractmethod
     def close(self) -> None:
