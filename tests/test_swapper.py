@@ -256,6 +256,33 @@ def test_remove_gives_back_memory_and_swap(tmp_path) -> None:
         assert s.ledger.now["host"] == 0 and s.ledger.now["nvme"] == 0 and s.partitions == 0
 
 
+@pytest.mark.parametrize("home", ["nvme", "cpu"])
+def test_discard_frees_memory_and_refills_with_zeros_without_io(tmp_path, home: str) -> None:
+    """discard() drops the contents and the host memory; the next acquire gives zeros and reads nothing."""
+    with _swapper(tmp_path) as sw:
+        part = sw.add("g", {"x": torch.ones(MiB // 4), "y": torch.full((3, 5), 7.0)}, home=home)
+        if home == "nvme":
+            sw.evict(part).wait()
+            sw.acquire(part, "host")
+            sw.release(part)
+        held = sw.stats().ledger.now["host"]
+        assert held == part.size
+        read, written = sw.stats().bytes_read, sw.stats().bytes_written
+        sw.discard(part)
+        assert sw.stats().ledger.now["host"] == 0 and part.state is Residency.NVME
+        views = sw.acquire(part, "host")
+        assert all(bool((v == 0).all()) for v in views.values())
+        assert sw.stats().bytes_read == read and sw.stats().bytes_written == written
+        views["x"].fill_(3.0)
+        with pytest.raises(StateError, match="in use"):
+            sw.discard(part)
+        sw.release(part, dirty=True)
+        if home == "nvme":  # a discarded-then-changed partition is written back like any other
+            sw.evict(part).wait()
+            assert torch.equal(sw.acquire(part, "host")["x"], torch.full((MiB // 4,), 3.0))
+            sw.release(part)
+
+
 def test_host_only_config_touches_no_disk(tmp_path) -> None:
     """With every tier on host, no swap directory is created."""
     with TensorSwapper("configs/cpu.yaml", **{"nvme.paths": [str(tmp_path / "never")]}) as sw:

@@ -244,14 +244,18 @@ class TieredOptimizer(torch.optim.Optimizer):
             return False
         self._update_unit(st)
         st.updated = True
+        st.has_grad.clear()
+        self.swapper.discard(st.grads)  # consumed: its memory goes to the read-ahead of the next units
         if st.state is not None and st.state.home.value == "nvme":
             self.swapper.evict(st.state)
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget accumulated gradients (the accumulators are overwritten by the next backward)."""
+        """Forget accumulated gradients: their memory is given back until the next backward needs it."""
         for st in self.units:
             st.has_grad.clear()
+            if not st.grads_held:
+                self.swapper.discard(st.grads)
         self._clip_scale = None
         self.found_inf = False
 

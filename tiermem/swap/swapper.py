@@ -350,6 +350,23 @@ class TensorSwapper:
         for part in idle:
             self.evict(part).wait()
 
+    def discard(self, part: Partition) -> None:
+        """Drop the contents of an idle partition and give its memory back, whatever its home tier; nothing is
+        written. The next fetch hands out zeros without reading (e.g. gradient accumulators after an update).
+        """
+        self.wait_idle(part)
+        with self._lock:
+            if part.users or part.waiters:
+                raise StateError(f"partition {part.name!r} is in use; release it before discarding it")
+            self._drop_device(part)
+            self._free_host(part)
+            part.state = Residency.NVME
+            part.discarded = True
+            part.dirty = False
+            part.prefetched = False
+            part.checksum = None
+            part.version += 1
+
     def wait_idle(self, part: Partition) -> None:
         """Block until `part` has no transfer in flight."""
         while True:
@@ -366,7 +383,13 @@ class TensorSwapper:
     def _drive(self, part: Partition) -> None:
         """Advance `part` toward its waiters' targets and complete the waiters it has reached."""
         if part.state is Residency.NVME and part.waiters and part.host is not None:
-            self._start_read(part)
+            if part.discarded:  # nothing to read: the contents are zeros
+                part.host.tensor().zero_()
+                part.discarded = False
+                part.dirty = part.home is Tier.NVME
+                part.state = Residency.HOST
+            else:
+                self._start_read(part)
         if part.state is Residency.HOST and any(t == "device" for t, _ in part.waiters):
             try:
                 self._to_device(part)
