@@ -338,3 +338,18 @@ def test_overlap_backward_refuses_clipping(tmp_path) -> None:
         loss_fn(model, x, y).backward()
         with pytest.raises(Exception, match="overlap_backward"):
             tm.clip_grad_norm_(1.0)
+
+
+def test_overlap_backward_gives_gradient_memory_back(tmp_path) -> None:
+    """With overlap_backward each unit's gradient accumulators are dropped once its update is done, so after
+    backward none of them holds host memory; without it they all do, until the step."""
+    x, y = batches(1)[0]
+    for overlap in (True, False):
+        model = mlp()
+        with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters()),
+                            **cfg(tmp_path / str(overlap), **{"optimizer.overlap_backward": overlap})) as tm:
+            tm.optimizer.zero_grad()
+            loss_fn(model, x, y).backward()
+            held = [st.grads.host is not None for st in tm.optimizer.units]
+            assert held and (not any(held) if overlap else all(held))
+            tm.optimizer.step()

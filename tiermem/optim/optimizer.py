@@ -251,11 +251,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget accumulated gradients: their memory is given back until the next backward needs it."""
+        """Forget accumulated gradients (the accumulators are overwritten by the next backward).
+
+        Their memory stays: allocated afresh during each backward, between the parameters being read, the
+        accumulators fragment the host pool, and the step then finds no room for the optimizer state.
+        With overlap_backward each unit's accumulators are given back right after its update instead.
+        """
         for st in self.units:
             st.has_grad.clear()
-            if not st.grads_held:
-                self.swapper.discard(st.grads)
         self._clip_scale = None
         self.found_inf = False
 
