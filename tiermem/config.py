@@ -339,9 +339,14 @@ class PrefetchConfig:
     max_bytes: int | None = field(default=None, metadata=_BYTES)
     """Cap in bytes on the prefetch window; None means only depth limits it."""
 
+    keep_resident: bool = True
+    """For inference, keep the largest units in host memory from pass to pass when the budget leaves room
+    to stream the rest, instead of reading every unit on every pass; the window may shrink to fit."""
+
     def __post_init__(self) -> None:
         self.depth = _int("prefetch.depth", self.depth, 0)
         self.max_bytes = _optional_size("prefetch.max_bytes", self.max_bytes, minimum=1)
+        self.keep_resident = _bool("prefetch.keep_resident", self.keep_resident)
 
 
 @dataclass

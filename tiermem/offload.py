@@ -88,7 +88,8 @@ class OffloadHandle:
         ``bytes_written``, ``stall_seconds`` (time forward waited for parameters), ``prefetch_hits``,
         ``prefetch_misses``, ``schedule_misses`` (acquisitions that were not the unit the recorded order
         predicted), ``retraces`` (times the execution order was recorded again), ``passes``
-        (top-level forwards), ``units`` (how many) and ``largest_unit_bytes``.
+        (top-level forwards), ``units`` (how many), ``largest_unit_bytes`` and ``resident_bytes`` (units kept in
+        host memory between passes, see ``prefetch.keep_resident``).
         """
         s = self.swapper.stats()
         rt = self.runtime
@@ -105,6 +106,7 @@ class OffloadHandle:
             "passes": rt.passes,
             "units": len(rt.units),
             "largest_unit_bytes": max((u.nbytes for u in rt.units), default=0),
+            "resident_bytes": rt.pinned_bytes,
             "evictions": s.evictions,
         }
 

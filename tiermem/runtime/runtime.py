@@ -29,9 +29,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from tiermem.runtime.schedule import Schedule
+from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.unit import Unit
-from tiermem.swap import Residency, TensorSwapper
+from tiermem.sizes import format_size
+from tiermem.swap import Residency, TensorSwapper, Tier
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class Runtime:
         self.prefetch_enabled = prefetch and cfg.depth > 0
         self.schedule = Schedule(cfg.depth if self.prefetch_enabled else 0, cfg.max_bytes,
                                  lambda i: units[i].nbytes)
+        self._depth = self.schedule.depth  # as configured; a resident plan may lower schedule.depth
+        self._planned_for: list[int] | None = None  # the recorded order the resident plan was made for
+        self.pinned_bytes = 0  # bytes of the units the plan keeps in host memory
         self.handles: list[RemovableHandle] = []  # every hook we registered, removed on exit
         self._pass_depth = 0  # nesting of the model's own forward; a pass ends when it returns to 0
         self._on_device: set[int] = set()  # units whose partition is on the device (in use or kept)
@@ -218,7 +222,39 @@ class Runtime:
 
     def _finish_pass(self) -> None:
         self.passes += 1
-        self._prefetch(self.schedule.on_pass_end())
+        window = self.schedule.on_pass_end()
+        if self.schedule.order is not self._planned_for:
+            self._plan_resident()
+            window = self.schedule.window() if self.schedule.order else window
+        self._prefetch(window)
+
+    def _plan_resident(self) -> None:
+        """Choose the units kept in host memory between passes for the order just recorded; see
+        [Note: resident units] in schedule.py. Only for inference: training shares the budget with
+        gradients and optimizer state, whose reads need that room."""
+        order = self.schedule.order
+        self._planned_for = order
+        for j in self.schedule.pinned:
+            self.units[j].partition.pinned = False
+        self.schedule.pinned = set()
+        self.schedule.depth = self._depth
+        self.pinned_bytes = 0
+        if (not order or self.optimizer is not None or not self.prefetch_enabled
+                or not self.swapper.config.prefetch.keep_resident):
+            return
+        used = set(order)
+        sizes = {u.index: u.partition.size for u in self.units
+                 if u.index in used and u.partition.home is Tier.NVME}
+        fixed = sum(p.size for p in self.swapper.partitions.values() if p.home is not Tier.NVME)
+        pinned, depth = plan_resident(sizes, self.swapper.pool.nbytes - fixed, self._depth)
+        for j in pinned:
+            self.units[j].partition.pinned = True
+        self.schedule.pinned = pinned
+        self.schedule.depth = depth
+        self.pinned_bytes = sum(sizes[j] for j in pinned)
+        if pinned:
+            log.info("keeping %d of %d units (%s) in host memory between passes; prefetch depth %d",
+                     len(pinned), len(sizes), format_size(self.pinned_bytes), depth)
 
     # -- acquire / release --------------------------------------------------------------------------
     def enter(self, i: int) -> None:
@@ -268,6 +304,11 @@ class Runtime:
             if part.state is not Residency.DEVICE:
                 self.swapper.prefetch(part, "device")
             self._on_device.add(j)
+        if self.schedule.pinned and window:  # resident units fill window places: read past them
+            for j in self.schedule.read_ahead():
+                part = self.units[j].partition
+                if j not in window and part.state is Residency.NVME:
+                    self.swapper.prefetch(part, "host")
 
     def reset_stats(self) -> None:
         self.stall_seconds = 0.0

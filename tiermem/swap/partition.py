@@ -42,6 +42,7 @@ class Partition:
         self.pending: IOFuture | None = None  # the one NVMe transfer in flight
         self.free_after_write = False  # the write in flight is an eviction: drop the host buffer after
         self.waiters: list[tuple[str, IOFuture]] = []  # (target tier, future) waiting for a transfer
+        self.pinned = False  # kept in host memory between uses: evicted only when nothing else can be
         self.discarded = False  # contents dropped (TensorSwapper.discard): the next fetch gives zeros, no read
 
     @property

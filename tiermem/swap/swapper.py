@@ -538,7 +538,7 @@ class TensorSwapper:
         while True:
             with self._lock:
                 try:
-                    return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME)  # see HostBufferPool.alloc
+                    return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.pinned)
                 except BudgetError:
                     pass
                 victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
@@ -565,11 +565,11 @@ class TensorSwapper:
             except Exception as exc:  # a failed write-back keeps its data; report it to this caller
                 raise StoreError(f"could not free host memory for partition {part.name!r}: {exc}") from exc
 
-    def _eviction_key(self, part: Partition) -> tuple[bool, float, int]:
-        """Sort key of eviction candidates: prefetched-and-not-yet-used last; among the rest the one needed
-        last first, then the least recently used."""
+    def _eviction_key(self, part: Partition) -> tuple[bool, bool, float, int]:
+        """Sort key of eviction candidates: pinned ones last, then prefetched-and-not-yet-used ones; among
+        the rest the one needed last first, then the least recently used."""
         later = -self.next_use(part) if self.next_use is not None else 0.0
-        return (part.prefetched, later, part.last_used)
+        return (part.pinned, part.prefetched, later, part.last_used)
 
     # -- reporting and teardown ---------------------------------------------------------------------
     def stats(self) -> SwapStats:
