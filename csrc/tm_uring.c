@@ -217,7 +217,8 @@ int tm_engine_enqueue(struct tm_engine *e, const struct tm_xfer *xfers, unsigned
     return 0;
 }
 
-/* Make tm_engine_run return soon: with stop, once everything queued has finished; else at once. */
+/* Make tm_engine_run return: with stop, once everything queued has finished; else at its next wake-up,
+ * which is at once on a ring under half full and after the next few completions on a fuller one. */
 void tm_engine_kick(struct tm_engine *e, int stop)
 {
     int wake;
@@ -335,6 +336,8 @@ static int prep_chunk(struct tm_engine *e, unsigned id)
     return 0;
 }
 
+static int finish_chunk(struct tm_engine *e, unsigned id, int32_t err);
+
 /* Put the wake read, resubmissions and new chunks (up to the queue depth) in the ring; one submit. */
 static int fill(struct tm_engine *e)
 {
@@ -388,11 +391,43 @@ static int fill(struct tm_engine *e)
         do {
             ret = io_uring_submit(&e->ring);
         } while (ret == -EINTR);
-        if (ret < 0)
+        /* Short of kernel memory or CQ room for now: the SQEs stay in the ring and the next
+         * io_uring_submit_and_wait in tm_engine_run hands them over. */
+        if (ret < 0 && ret != -EAGAIN && ret != -EBUSY)
             return ret;
         e->stats[TM_STAT_SUBMITS]++;
     }
     return 0;
+}
+
+/* After a fatal error: chunks still in the kernel may write into callers' buffers, so wait for them
+ * (at most ~10 s: SQEs that never reached the kernel never complete) before the error is reported
+ * and the callers' futures fail. */
+static int drain_and_fail(struct tm_engine *e, int err)
+{
+    struct __kernel_timespec ts = { .tv_sec = 1, .tv_nsec = 0 };
+    struct io_uring_cqe *cqe;
+    uint64_t ud;
+    int tries = 10, ret;
+
+    while (used_now(e) > e->nretry && tries > 0) {
+        ret = io_uring_wait_cqe_timeout(&e->ring, &cqe, &ts);
+        if (ret == -EINTR)
+            continue;
+        if (ret < 0) {
+            tries--;
+            continue;
+        }
+        ud = io_uring_cqe_get_data64(cqe);
+        ret = cqe->res;
+        io_uring_cqe_seen(&e->ring, cqe);
+        if (ud == WAKE_ID)
+            e->wake_armed = 0;
+        else
+            finish_chunk(e, (unsigned)ud, ret < 0 ? ret : 0);
+    }
+    e->ndone = 0; /* the caller fails every live transfer */
+    return err;
 }
 
 static int push_done(struct tm_engine *e, struct node *n)
@@ -488,7 +523,7 @@ int tm_engine_run(struct tm_engine *e, struct tm_done *out, unsigned max)
     for (;;) {
         ret = fill(e);
         if (ret < 0)
-            return ret;
+            return drain_and_fail(e, ret);
         if (e->ndone)
             return (int)take_done(e, out, max);
         pthread_mutex_lock(&e->lock);
@@ -500,6 +535,7 @@ int tm_engine_run(struct tm_engine *e, struct tm_done *out, unsigned max)
         used = used_now(e);
         if (e->stopping && !used && !e->head) {
             pthread_mutex_unlock(&e->lock);
+            io_uring_unregister_ring_fd(&e->ring); /* registered by this thread in tm_engine_start */
             return -ESHUTDOWN;
         }
         if (e->head && e->nfree) { /* arrived since fill took the lock */
@@ -511,14 +547,15 @@ int tm_engine_run(struct tm_engine *e, struct tm_done *out, unsigned max)
         /* Under half full the loop must wake for the eventfd read alone (see tm_engine_enqueue), so it
          * waits for one completion; above that, for an eighth of what is in flight. */
         wait_nr = used >= (e->qd / 2 ? e->qd / 2 : 1) && used / 8 ? used / 8 : 1;
+        /* submits too: SQEs a short or refused submit left in the ring go in now */
         do {
-            ret = io_uring_wait_cqe_nr(&e->ring, &cqe, wait_nr);
+            ret = io_uring_submit_and_wait(&e->ring, wait_nr);
         } while (ret == -EINTR);
         pthread_mutex_lock(&e->lock);
         e->sleeping = 0;
         pthread_mutex_unlock(&e->lock);
-        if (ret < 0 && ret != -EAGAIN)
-            return ret;
+        if (ret < 0 && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME)
+            return drain_and_fail(e, ret);
         got = 0;
         ret = 0;
         io_uring_for_each_cqe(&e->ring, head, cqe) {
@@ -528,7 +565,7 @@ int tm_engine_run(struct tm_engine *e, struct tm_done *out, unsigned max)
         }
         io_uring_cq_advance(&e->ring, got);
         if (ret < 0)
-            return ret;
+            return drain_and_fail(e, ret);
     }
 }
 

@@ -221,16 +221,16 @@ def test_plan_resident_keeps_the_largest_units_that_leave_room_to_stream() -> No
 
 
 def test_resident_units_are_not_read_again(tmp_path) -> None:
-    """With keep_resident the big layer stays in host memory between passes and each pass reads less than
-    without it; outputs are the same either way and no acquisition misses."""
+    """With keep_resident the big layer stays in host memory between passes, so no pass reads it again;
+    outputs are the same either way and no acquisition misses."""
     x = torch.randn(3, 256)
-    read = {}
     for keep in (True, False):
         model = one_big_layer()
         ref = model(x).detach()
         settings = cfg(tmp_path / str(keep), **{"memory.host_budget": "1536KiB", "prefetch.keep_resident": keep})
         with torch.no_grad(), tiered_offload(model, **settings) as tm:
             big = tm.units[0].partition
+            others = sum(u.partition.size for u in tm.units[1:])
             for _ in range(2):  # record the order, then one pass under the plan
                 assert torch.equal(model(x), ref)
             tm.reset_stats()
@@ -240,9 +240,10 @@ def test_resident_units_are_not_read_again(tmp_path) -> None:
                     assert big.state is not Residency.NVME  # never evicted
             s = tm.stats()
         assert s["prefetch_misses"] == 0
-        assert (s["resident_bytes"] >= big.size) if keep else (s["resident_bytes"] == 0)
-        read[keep] = s["bytes_read"]
-    assert read[True] < read[False]
+        if keep:
+            assert s["resident_bytes"] >= big.size and s["bytes_read"] <= 3 * others
+        else:
+            assert s["resident_bytes"] == 0
 
 
 def test_training_keeps_no_units_resident(tmp_path) -> None:

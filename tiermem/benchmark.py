@@ -75,11 +75,14 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
     total = len(combos) * spec.runs * spec.size * (len(spec.modes) + (1 if "write" not in spec.modes else 0))
     done = 0
 
+    tick_lock = threading.Lock()  # completions tick from the engines' threads, several at once (threads)
+
     def tick(n: int, label: str) -> None:
         nonlocal done
-        done += n
-        if progress:
-            progress(done, total, label)
+        with tick_lock:
+            done += n
+            if progress:
+                progress(done, total, label)
 
     for engine_name, bs, qd in combos:
         with create_engine(engine_name, block_size=bs, queue_depth=qd) as engine, \
@@ -190,8 +193,16 @@ def _stream(store: SwapStore, extent: Extent, slots: list[PoolBuffer], size: int
                 continue
             fut.add_done_callback(functools.partial(done, k))
 
-    issue()
-    finished.wait()
+    try:
+        issue()
+        finished.wait()
+    except BaseException as exc:  # interrupted: queue nothing more, let what is in flight land, then go
+        with lock:
+            errors.append(exc)  # issue() stops at the first error
+            idle = state["in_flight"] == 0
+        if not idle:
+            finished.wait()
+        raise
     if errors:
         raise errors[0]
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
 from tiermem.errors import TiermemError
+
+log = logging.getLogger(__name__)
 
 
 class IOTimeoutError(TiermemError, TimeoutError):
@@ -60,7 +63,7 @@ class IOFuture:
                     self._callbacks = []
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        _run_callback(fn, self)
 
     def _chunk_done(self, error: BaseException | None = None) -> None:
         with self._lock:
@@ -75,7 +78,16 @@ class IOFuture:
             self._gate.release()
         if callbacks:
             for fn in callbacks:
-                fn(self)
+                _run_callback(fn, self)
+
+
+def _run_callback(fn: Callable[[IOFuture], None], future: IOFuture) -> None:
+    """Run one done-callback; an exception is logged, never raised into the engine's thread, whose death
+    would leave every other transfer waiting, and the other callbacks still run."""
+    try:
+        fn(future)
+    except Exception:
+        log.exception("an I/O completion callback raised; the transfer itself is unaffected")
 
 
 def gather(futures: list[IOFuture]) -> IOFuture:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import queue
 import threading
 
+from tiermem.errors import IOEngineError
 from tiermem.io.engine import DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, OP_READ, RETRYABLE, Chunk, IOEngine
+
+log = logging.getLogger(__name__)
 
 MAX_THREADS = 64
 
@@ -20,6 +24,7 @@ class ThreadEngine(IOEngine):
     def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> None:
         super().__init__(block_size=block_size, queue_depth=queue_depth)
         self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()  # chunks waiting for a worker
+        self._closing = threading.Lock()  # orders close() against callers queueing chunks
         self._workers = [
             threading.Thread(target=self._work, name=f"tiermem-io-{i}", daemon=True)
             for i in range(min(queue_depth, MAX_THREADS))
@@ -28,8 +33,11 @@ class ThreadEngine(IOEngine):
             t.start()
 
     def _submit(self, chunks: list[Chunk]) -> None:
-        for chunk in chunks:
-            self._queue.put(chunk)
+        with self._closing:  # never behind the workers' stop marks: that chunk would wait forever
+            if self.closed:
+                raise IOEngineError("the threads engine is closed")
+            for chunk in chunks:
+                self._queue.put(chunk)
 
     def _work(self) -> None:
         while True:
@@ -40,18 +48,22 @@ class ThreadEngine(IOEngine):
                 error = self._serve(chunk)
             except BaseException as exc:  # a worker must never die with a future left pending
                 error = exc
-            chunk.future._chunk_done(error)
+            try:
+                chunk.future._chunk_done(error)
+            except BaseException:  # noqa: BLE001 - nothing may end a worker; callbacks log their own errors
+                log.exception("completing an I/O future failed")
 
     @staticmethod
     def _serve(chunk: Chunk) -> BaseException | None:
         return _serve(chunk)
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for _ in self._workers:
-            self._queue.put(None)
+        with self._closing:
+            if self.closed:
+                return
+            self.closed = True
+            for _ in self._workers:
+                self._queue.put(None)
         for t in self._workers:
             t.join()
 

@@ -54,7 +54,8 @@ class UringEngine(IOEngine):
                  sqpoll: bool = False) -> None:
         super().__init__(block_size=block_size, queue_depth=queue_depth)
         if block_size >= 1 << 32:
-            raise IOEngineError(f"io.block_size: {format_size(block_size)} is over io_uring's limit; use at most 2GiB")
+            raise IOEngineError(
+                f"io.block_size: {format_size(block_size)} is over io_uring's limit; use less than 4GiB")
         self.sqpoll = sqpoll
         self._core = _native.NativeEngine(queue_depth, block_size, sqpoll=sqpoll)
         self._handle = self._core.handle
@@ -63,6 +64,9 @@ class UringEngine(IOEngine):
         self._control: collections.deque[tuple[str, object, threading.Event, list[object]]] = (
             collections.deque())  # work that must run on the loop's thread
         self._done = _native.ffi.new("struct tm_done[]", 2 * (queue_depth + 1))
+        # held across the closed check and each call into the core by a caller, so that close() cannot
+        # free the core under a caller that is about to queue work
+        self._calls = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="tiermem-uring", daemon=True)
         self._thread.start()
 
@@ -82,9 +86,10 @@ class UringEngine(IOEngine):
         self._live[uid] = (future, file, op)
         xfer = _native.ffi.new("struct tm_xfer *", (
             uid, address, offset, nbytes, file.fd, file.buffered_fd, op, ALIGN if file.direct else 0))
-        ret = _native.lib.tm_engine_enqueue(self._handle, xfer, 1)
+        with self._calls:
+            ret = -errno.ESHUTDOWN if self.closed else _native.lib.tm_engine_enqueue(self._handle, xfer, 1)
         if ret < 0:
-            del self._live[uid]
+            self._live.pop(uid, None)
             raise OSError(-ret, "the io_uring engine is closed" if ret == -errno.ESHUTDOWN else
                           "cannot queue the transfer", file.path)
         return future
@@ -93,7 +98,10 @@ class UringEngine(IOEngine):
         """Register host regions as fixed buffers (split at 1 GiB); reads/writes inside them skip page pinning."""
         pieces = [(a + off, min(MAX_FIXED_BUFFER, n - off))
                   for a, n in regions for off in range(0, n, MAX_FIXED_BUFFER)]
-        result = self._call("register", sorted(pieces))
+        try:
+            result = self._call("register", sorted(pieces))
+        except OSError as exc:  # the engine is closed or its loop has stopped
+            result = exc
         if isinstance(result, OSError):
             log.warning("io_uring could not register %s of fixed buffers (%s); using plain reads and writes",
                         format_size(sum(n for _, n in pieces)), result.strerror)
@@ -101,12 +109,16 @@ class UringEngine(IOEngine):
         return True
 
     def _call(self, what: str, arg: object) -> object:
-        if self.closed:
-            raise OSError(errno.ESHUTDOWN, "the io_uring engine is closed")
         done = threading.Event()
         box: list[object] = []
-        self._control.append((what, arg, done, box))
-        _native.lib.tm_engine_kick(self._handle, 0)
+        with self._calls:
+            if self.closed:
+                raise OSError(errno.ESHUTDOWN, "the io_uring engine is closed")
+            self._control.append((what, arg, done, box))
+            if threading.current_thread() is self._thread:  # from a completion callback: run it here
+                self._run_control()
+                return box[0] if box else None
+            _native.lib.tm_engine_kick(self._handle, 0)
         while not done.wait(0.5):
             if not self._thread.is_alive():
                 raise OSError(errno.ESHUTDOWN, "the io_uring loop has stopped")
@@ -114,12 +126,17 @@ class UringEngine(IOEngine):
 
     def close(self) -> None:
         """Wait for everything queued to finish, then tear the ring down."""
-        if self.closed:
-            return
-        self.closed = True
-        _native.lib.tm_engine_kick(self._handle, 1)
+        with self._calls:
+            if self.closed:
+                return
+            self.closed = True
+            _native.lib.tm_engine_kick(self._handle, 1)
+        if threading.current_thread() is self._thread:
+            raise OSError(errno.EDEADLK, "close() was called from an I/O completion callback; close the engine "
+                          "from another thread")
         self._thread.join()
         self._core.close()
+        self._handle = None
 
     # -- the loop's side -----------------------------------------------------------------------
     def _run_control(self) -> None:
@@ -128,9 +145,10 @@ class UringEngine(IOEngine):
             try:
                 if what == "register":
                     self._core.register_buffers(arg)  # type: ignore[arg-type]
-            except OSError as exc:
-                box.append(exc)
-            done.set()
+            except (OSError, OverflowError, TypeError) as exc:
+                box.append(exc if isinstance(exc, OSError) else OSError(errno.EINVAL, str(exc)))
+            finally:
+                done.set()
 
     def _finish(self, d: Any) -> None:
         future, file, op = self._live.pop(d.user_data)
@@ -161,7 +179,8 @@ class UringEngine(IOEngine):
         except BaseException as exc:  # never leave a caller waiting forever
             log.exception("the io_uring loop failed")
             _native.lib.tm_engine_kick(handle, 1)  # refuse new work from here on
-            for uid in list(self._live):
-                future, file, op = self._live.pop(uid)
-                future._chunk_done(OSError(errno.EIO, f"io_uring loop failed: {exc}", file.path))
+            for uid in list(self._live):  # the core has waited for the kernel to finish with their buffers
+                entry = self._live.pop(uid, None)
+                if entry is not None:
+                    entry[0]._chunk_done(OSError(errno.EIO, f"io_uring loop failed: {exc}", entry[1].path))
 
