@@ -55,6 +55,30 @@ struct tm_engine {
     uint64_t stats[TM_NSTATS];
 };
 
+static void free_nodes(struct node *n)
+{
+    struct node *next;
+
+    for (; n; n = next) {
+        next = n->next;
+        free(n);
+    }
+}
+
+/* Everything but the ring and the mutex: what both a failed open and close give back. */
+static void free_engine(struct tm_engine *e)
+{
+    if (e->wake_fd >= 0)
+        close(e->wake_fd);
+    free_nodes(e->head);
+    free(e->fixed);
+    free(e->slots);
+    free(e->free_ids);
+    free(e->retry);
+    free(e->done);
+    free(e);
+}
+
 int tm_engine_open(unsigned queue_depth, uint32_t block_size, int sqpoll, unsigned sq_idle_ms,
                    struct tm_engine **out)
 {
@@ -112,35 +136,17 @@ int tm_engine_open(unsigned queue_depth, uint32_t block_size, int sqpoll, unsign
     *out = e;
     return 0;
 fail:
-    if (e->wake_fd >= 0)
-        close(e->wake_fd);
-    free(e->slots);
-    free(e->free_ids);
-    free(e->retry);
-    free(e->done);
-    free(e);
+    free_engine(e);
     return ret;
 }
 
 void tm_engine_close(struct tm_engine *e)
 {
-    struct node *n, *next;
-
     if (!e)
         return;
     io_uring_queue_exit(&e->ring);
-    close(e->wake_fd);
-    for (n = e->head; n; n = next) {
-        next = n->next;
-        free(n);
-    }
     pthread_mutex_destroy(&e->lock);
-    free(e->fixed);
-    free(e->slots);
-    free(e->free_ids);
-    free(e->retry);
-    free(e->done);
-    free(e);
+    free_engine(e);
 }
 
 static unsigned used_now(struct tm_engine *e)
@@ -177,11 +183,7 @@ int tm_engine_enqueue(struct tm_engine *e, const struct tm_xfer *xfers, unsigned
     for (i = 0; i < n; i++) {
         node = calloc(1, sizeof(*node));
         if (!node) {
-            while (first) {
-                node = first->next;
-                free(first);
-                first = node;
-            }
+            free_nodes(first);
             return -ENOMEM;
         }
         node->x = xfers[i];
@@ -196,11 +198,7 @@ int tm_engine_enqueue(struct tm_engine *e, const struct tm_xfer *xfers, unsigned
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
         pthread_mutex_unlock(&e->lock);
-        while (first) {
-            node = first->next;
-            free(first);
-            first = node;
-        }
+        free_nodes(first);
         return -ESHUTDOWN;
     }
     if (e->tail)
