@@ -36,6 +36,20 @@ def tiermem_tree() -> dict[str, Any]:
             "uncommitted_in_tiermem": bool(git("status", "--porcelain", "--", "tiermem"))}
 
 
+def print_system_header(title: str, system: dict[str, Any], versions: dict[str, str]) -> None:
+    """The first lines every benchmark prints: machine, the paths it measures on, and the versions."""
+    print(f"{title}  |  Linux {system['kernel']} {system['machine']}, {system['cpus']} CPUs "
+          f"({system['cpu_model']}), {system['memory_gib']:.0f} GiB RAM, Python {system['python']}")
+    for p in system["paths"]:
+        print(f"  {p['path']}: {p['filesystem']}, device {p['device'] or '?'} ({p['model'] or 'unknown model'})")
+    line = "  versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())
+    tree = system.get("tiermem_tree")
+    if tree:
+        line += f"; tiermem at {(tree['commit'] or '?')[:12]}"
+        line += " + uncommitted changes" if tree["uncommitted_in_tiermem"] else ""
+    print(line)
+
+
 def write_json(path: str, report: dict[str, Any]) -> None:
     """Write a benchmark's report where docs/benchmarks.md quotes it from."""
     with open(path, "w", encoding="utf-8") as f:

@@ -66,7 +66,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from _common import cpu_model, tiermem_tree, write_json  # bench/ is on sys.path when run as a script
+from _common import (  # bench/ is on sys.path when run as a script
+    cpu_model,
+    print_system_header,
+    tiermem_tree,
+    write_json,
+)
 
 from tiermem.benchmark import GB, GIB, block_device_of, disk_stats, system_info
 from tiermem.sizes import format_size, parse_size
@@ -614,14 +619,7 @@ def _gb(x: float | None) -> str:
 
 
 def print_header(system: dict[str, Any], versions: dict[str, str], info: dict[str, Any], args: Any) -> None:
-    print(f"tiermem inference offload vs accelerate  |  Linux {system['kernel']} {system['machine']}, "
-          f"{system['cpus']} CPUs ({system['cpu_model']}), {system['memory_gib']:.0f} GiB RAM, "
-          f"Python {system['python']}")
-    for p in system["paths"]:
-        print(f"  {p['path']}: {p['filesystem']}, device {p['device'] or '?'} ({p['model'] or 'unknown model'})")
-    print("  versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())
-          + f"; tiermem at {(system['tiermem_tree']['commit'] or '?')[:12]}"
-          + (" + uncommitted changes" if system["tiermem_tree"]["uncommitted_in_tiermem"] else ""))
+    print_system_header("tiermem inference offload vs accelerate", system, versions)
     print(f"  model: GPT2LMHeadModel(n_layer={args.layers}, n_embd={args.width}, n_head={args.heads}), "
           f"{info['parameters'] / 1e6:.1f}M parameters, {info['dtype']}, {_gb(info['parameter_bytes'])} GB "
           f"({info['parameter_bytes'] / args.host_budget_bytes:.2f} x the host budget "

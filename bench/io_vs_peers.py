@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from _common import cpu_model, write_json  # bench/ is on sys.path when run as a script
+from _common import cpu_model, print_system_header, write_json  # bench/ is on sys.path when run as a script
 
 from tiermem.benchmark import GB, GIB, block_device_of, disk_stats, system_info
 from tiermem.sizes import format_size, parse_size
@@ -346,11 +346,7 @@ def goals(ratios: list[dict[str, Any]]) -> dict[str, Any]:
 # -- printing -------------------------------------------------------------------------------------
 def print_header(system: dict[str, Any], versions: dict[str, str], missing: dict[str, str], args: Any,
                  size: int, block_sizes: list[int]) -> None:
-    print(f"tiermem I/O engine vs peers  |  Linux {system['kernel']} {system['machine']}, {system['cpus']} CPUs "
-          f"({system['cpu_model']}), {system['memory_gib']:.0f} GiB RAM, Python {system['python']}")
-    for p in system["paths"]:
-        print(f"  {p['path']}: {p['filesystem']}, device {p['device'] or '?'} ({p['model'] or 'unknown model'})")
-    print("  versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    print_system_header("tiermem I/O engine vs peers", system, versions)
     print(f"  {format_size(size)} per transfer; blocks {', '.join(format_size(b) for b in block_sizes)}; "
           f"queue depth {args.queue_depth}; {args.repeats} repetitions, tools in rotating order; O_DIRECT")
     for key, why in missing.items():

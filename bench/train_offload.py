@@ -64,7 +64,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from _common import cpu_model, tiermem_tree, write_json  # bench/ is on sys.path when run as a script
+from _common import (  # bench/ is on sys.path when run as a script
+    cpu_model,
+    print_system_header,
+    tiermem_tree,
+    write_json,
+)
 
 from tiermem.benchmark import GB, system_info
 from tiermem.sizes import format_size, parse_size
@@ -455,10 +460,11 @@ def check_losses(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def paired(runs: list[dict[str, Any]], a: str, b: str) -> dict[str, float] | None:
-    """Mean +- stdev over rounds of (a's mean step time / b's), both from the same round."""
+def paired(runs: list[dict[str, Any]], a: str, b: str, of: str = "seconds") -> dict[str, float] | None:
+    """Mean +- stdev over rounds of (a's mean `of` per step / b's), both from the same round; `of` is
+    "seconds" (the step) or "optimizer_seconds" (the optimizer step alone)."""
     def mean_in(r: dict[str, Any]) -> float:
-        return statistics.fmean(s["seconds"] for s in r["samples"] if not s["warmup"])
+        return statistics.fmean(s[of] for s in r["samples"] if not s["warmup"])
 
     ratios = []
     for rnd in sorted({r["round"] for r in runs}):
@@ -505,27 +511,10 @@ def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[st
         mine, theirs = b["optimizer_parameters_per_second"], a["optimizer_parameters_per_second"]
         out["optimizer"] = {"held": mine >= OPTIMIZER_GOAL * theirs, "tiermem_parameters_per_second": mine,
                             "adamw_parameters_per_second": theirs, "ratio": mine / theirs,
-                            "paired": paired_optimizer(runs)}
+                            "paired": paired(runs, "plain", "tiermem_cpu", of="optimizer_seconds")}
     tm = [x for x in losses if x["variant"] != "deepspeed"]
     out["losses"] = {"held": bool(tm) and all(x["bit_exact"] for x in tm), "compared": len(tm)}
     return out
-
-
-def paired_optimizer(runs: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Per round: (a)'s AdamW.step() seconds / (b)'s tm.optimizer.step() seconds (= (b)'s speed / (a)'s)."""
-    def opt_mean(r: dict[str, Any]) -> float:
-        return statistics.fmean(s["optimizer_seconds"] for s in r["samples"] if not s["warmup"])
-
-    ratios = []
-    for rnd in sorted({r["round"] for r in runs}):
-        ra = next((r for r in runs if r["round"] == rnd and r["variant"] == "plain" and "error" not in r), None)
-        rb = next((r for r in runs if r["round"] == rnd and r["variant"] == "tiermem_cpu" and "error" not in r), None)
-        if ra and rb:
-            ratios.append(opt_mean(ra) / opt_mean(rb))
-    if not ratios:
-        return None
-    m, s = _ms(ratios)
-    return {"mean": m, "std": s, "rounds": len(ratios)}
 
 
 # -- printing -----------------------------------------------------------------------------------------
@@ -534,14 +523,7 @@ def _gb(x: float | None) -> str:
 
 
 def print_header(system: dict[str, Any], versions: dict[str, str], model: dict[str, Any], args: Any) -> None:
-    print(f"tiermem training offload vs DeepSpeed ZeRO-3  |  Linux {system['kernel']} {system['machine']}, "
-          f"{system['cpus']} CPUs ({system['cpu_model']}), {system['memory_gib']:.0f} GiB RAM, "
-          f"Python {system['python']}")
-    for p in system["paths"]:
-        print(f"  {p['path']}: {p['filesystem']}, device {p['device'] or '?'} ({p['model'] or 'unknown model'})")
-    print("  versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())
-          + f"; tiermem at {(system['tiermem_tree']['commit'] or '?')[:12]}"
-          + (" + uncommitted changes" if system["tiermem_tree"]["uncommitted_in_tiermem"] else ""))
+    print_system_header("tiermem training offload vs DeepSpeed ZeRO-3", system, versions)
     print(f"  model: GPT2LMHeadModel(n_layer={args.layers}, n_embd={args.width}, n_head={args.heads}, "
           f"vocab_size={args.vocab}, n_positions={args.seq}), dropout 0, fp32; "
           f"{model['parameters'] / 1e6:.1f}M parameters ({model['parameters_counting_tied_twice'] / 1e6:.1f}M "

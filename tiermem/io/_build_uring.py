@@ -11,44 +11,17 @@ _ROOT = Path(__file__).resolve().parents[2]
 # setuptools wants paths relative to the project root, where pip runs setup.py
 _CSRC = os.path.relpath(_ROOT / "csrc", os.getcwd())
 
+
+def _declarations(header: Path) -> str:
+    """csrc/tm_uring.h as cffi's cdef wants it: the header guard and includes dropped (cffi knows the
+    stdint types and strips comments), so the C header stays the one place the interface is written."""
+    skip = ("#ifndef", "#endif", "#include", "#define TM_URING_H")
+    return "\n".join(line for line in header.read_text(encoding="utf-8").splitlines()
+                     if not line.strip().startswith(skip))
+
+
 ffibuilder = FFI()
-ffibuilder.cdef(
-    """
-    #define TM_OP_READ 0
-    #define TM_OP_WRITE 1
-    #define TM_ERR_EOF 1
-    struct tm_engine;
-    struct tm_xfer {
-        uint64_t user_data;
-        uint64_t addr;
-        uint64_t offset;
-        uint64_t len;
-        int32_t fd;
-        int32_t buffered_fd;
-        int32_t op;
-        uint32_t align;
-    };
-    struct tm_done {
-        uint64_t user_data;
-        int32_t res;
-        uint32_t pad;
-        uint64_t err_offset;
-        uint64_t err_len;
-    };
-    int tm_engine_open(unsigned queue_depth, uint32_t block_size, int sqpoll, unsigned sq_idle_ms,
-                       struct tm_engine **out);
-    void tm_engine_close(struct tm_engine *eng);
-    int tm_engine_start(struct tm_engine *eng);
-    int tm_engine_enqueue(struct tm_engine *eng, const struct tm_xfer *xfers, unsigned n);
-    int tm_engine_run(struct tm_engine *eng, struct tm_done *out, unsigned max);
-    void tm_engine_kick(struct tm_engine *eng, int stop);
-    int tm_engine_register_buffers(struct tm_engine *eng, const uint64_t *addrs, const uint64_t *lens,
-                                   unsigned n);
-    #define TM_NSTATS 4
-    void tm_engine_stats(struct tm_engine *eng, uint64_t *out);
-    int tm_ring_probe(void);
-    """
-)
+ffibuilder.cdef(_declarations(_ROOT / "csrc" / "tm_uring.h"))
 ffibuilder.set_source(
     "tiermem.io._uring_cffi",
     '#include "tm_uring.h"',
