@@ -28,6 +28,7 @@ __all__ = [
     "ParamsConfig",
     "OptimizerConfig",
     "GradsConfig",
+    "ActivationsConfig",
     "NvmeConfig",
     "MemoryConfig",
     "PrefetchConfig",
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 PARAM_TIERS = ("device", "cpu", "nvme")
 STATE_TIERS = ("cpu", "nvme")
+ACTIVATION_TIERS = ("memory", "nvme")
 DTYPES = ("float32", "bfloat16", "float16")
 # Spellings people carry over from other tools; suggested, not accepted.
 _DTYPE_ALIASES = {
@@ -277,6 +279,34 @@ class GradsConfig:
 
 
 @dataclass
+class ActivationsConfig:
+    """The tensors autograd saves in a training forward for use in backward (activations)."""
+
+    SECTION: ClassVar[str] = "activations"
+
+    tier: str = "memory"
+    """Where saved activations wait for backward: ``memory`` (where autograd keeps them) or ``nvme``
+    (written to swap as forward makes them, read back ahead of backward's use, newest first)."""
+
+    min_bytes: int = field(default=256 * 1024, metadata=_BYTES)
+    """Saved tensors smaller than this stay in memory (with ``tier: nvme``)."""
+
+    buffer: int = field(default=64 * 1024**2, metadata=_BYTES)
+    """Host memory for activations on their way to and from swap (with ``tier: nvme``); part of
+    memory.host_budget, so the partitions' share is the budget minus this."""
+
+    def __post_init__(self) -> None:
+        self.tier = _choice("activations.tier", self.tier, ACTIVATION_TIERS)
+        self.min_bytes = _size("activations.min_bytes", self.min_bytes, minimum=1)
+        self.buffer = _size("activations.buffer", self.buffer, minimum=IO_ALIGN, align=IO_ALIGN)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of memory.host_budget the activations take (none unless they go to NVMe)."""
+        return self.buffer if self.tier == "nvme" else 0
+
+
+@dataclass
 class NvmeConfig:
     """The directories that hold the NVMe tier and how data is laid out across them."""
 
@@ -419,6 +449,7 @@ _SECTIONS: tuple[type[Any], ...] = (
     ParamsConfig,
     OptimizerConfig,
     GradsConfig,
+    ActivationsConfig,
     NvmeConfig,
     MemoryConfig,
     PrefetchConfig,
@@ -451,6 +482,9 @@ class Config:
 
     grads: GradsConfig = field(default_factory=GradsConfig)
     """Where gradients rest after backward."""
+
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    """Where saved activations wait for backward."""
 
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
     """The NVMe tier's directories and layout."""
@@ -490,7 +524,7 @@ class Config:
     @property
     def uses_nvme(self) -> bool:
         """True when any tier is ``nvme``, i.e. the NVMe directories and I/O engine are used."""
-        return "nvme" in (self.params.tier, self.optimizer.tier, self.grads.tier)
+        return "nvme" in (self.params.tier, self.optimizer.tier, self.grads.tier, self.activations.tier)
 
     def _check_combinations(self) -> None:
         """Rules spanning components; each is explained under "Combination rules" in docs/config.md."""
@@ -515,9 +549,16 @@ class Config:
                 f" ({_human_size(budget)}), got {_human_size(window)}; the prefetch window lives"
                 " in device memory, so lower prefetch.max_bytes or raise memory.device_budget"
             )
+        # Rule 4: the activations' buffer is carved out of the host budget; the partitions need the rest.
+        if self.activations.host_bytes >= self.memory.host_budget:
+            raise ConfigError(
+                f"activations.buffer: expected less than memory.host_budget"
+                f" ({_human_size(self.memory.host_budget)}), got {_human_size(self.activations.buffer)};"
+                " it is part of the host budget, so lower activations.buffer or raise memory.host_budget"
+            )
         if not self.uses_nvme:
             return
-        # Rule 4: with an NVMe tier there must be somewhere to write it.
+        # Rule 5: with an NVMe tier there must be somewhere to write it.
         if not self.nvme.paths:
             raise ConfigError(
                 "nvme.paths: expected at least one directory because a tier is 'nvme', got [];"

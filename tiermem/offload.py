@@ -93,11 +93,16 @@ class OffloadHandle:
         """
         s = self.swapper.stats()
         rt = self.runtime
+        act = rt.activations.stats() if rt.activations is not None else {}
+        peak, now = dict(s.ledger.peak), dict(s.ledger.now)
+        if rt.activations is not None:  # the activations' buffer is the host budget's other part
+            peak["host"] += rt.activations.pool.peak
+            now["host"] += rt.activations.pool.used
         return {
-            "peak_bytes": dict(s.ledger.peak),
-            "now_bytes": dict(s.ledger.now),
-            "bytes_read": s.bytes_read,
-            "bytes_written": s.bytes_written,
+            "peak_bytes": peak,
+            "now_bytes": now,
+            "bytes_read": s.bytes_read + act.get("activations_bytes_read", 0),
+            "bytes_written": s.bytes_written + act.get("activations_bytes_written", 0),
             "stall_seconds": rt.stall_seconds,
             "prefetch_hits": rt.prefetch_hits,
             "prefetch_misses": rt.prefetch_misses,
@@ -108,6 +113,7 @@ class OffloadHandle:
             "largest_unit_bytes": max((u.nbytes for u in rt.units), default=0),
             "resident_bytes": rt.pinned_bytes,
             "evictions": s.evictions,
+            **act,
         }
 
     def reset_stats(self) -> None:
@@ -167,6 +173,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         raise OffloadError(f"optimizer: {type(optimizer).__name__} is not supported under tiered_offload; use one "
                            f"of {names}")
     swapper = TensorSwapper(config, engine=engine, **overrides)
+    if swapper.config.activations.tier == "nvme" and swapper.device.type != "cpu":
+        swapper.close()
+        raise OffloadError(f"activations.tier: nvme is implemented for the CPU compute device only, and the device "
+                           f"is {swapper.device}; set activations.tier: memory")
     handle: OffloadHandle | None = None
     patched: dict[str, Any] = {}
     try:
@@ -277,7 +287,7 @@ def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | 
     if total > swapper.pool.nbytes:
         raise BudgetError(
             f"params.tier: {cfg.params.tier} keeps every parameter in host memory here, {format_size(total)}, but "
-            f"memory.host_budget is {format_size(swapper.pool.nbytes)}; raise memory.host_budget or set "
+            f"{swapper.budget_text} is smaller; raise memory.host_budget or set "
             "params.tier: nvme"
         )
 

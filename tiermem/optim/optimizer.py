@@ -151,10 +151,11 @@ class TieredOptimizer(torch.optim.Optimizer):
             working = max(working, sum(v for k, v in sizes.items() if not in_host[k]))
         if permanent + working > budget:
             raise OptimizerError(
-                f"memory.host_budget ({format_size(budget)}) cannot hold the training state: "
+                f"{self.swapper.budget_text} cannot hold the training state: "
                 f"{format_size(permanent)} stays in host memory for good (the tiers set to cpu) and the step needs "
                 f"{format_size(working)} more for one unit's parameters, gradients and optimizer state. Raise "
-                f"memory.host_budget to at least {format_size(2 * working + permanent)}, move tiers to nvme, or use "
+                f"memory.host_budget to at least {format_size(2 * working + permanent + cfg.activations.host_bytes)}, "
+                "move tiers to nvme, or use "
                 "smaller units (wrap.classes)"
             )
 
@@ -177,7 +178,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         return kinds
 
     def _make_grads(self, unit: Unit, grad_specs: list[Any]) -> Partition:
-        return self.swapper.add(f"{unit.name}#grads", grad_specs, home=self.swapper.config.grads.tier, zero=True)
+        part = self.swapper.add(f"{unit.name}#grads", grad_specs, home=self.swapper.config.grads.tier, zero=True)
+        if self.overlap:  # held only from the unit's backward to its update (unit_grads_done), from the first step
+            self.swapper.discard(part)
+        return part
 
     def _make_state_part(self, unit: Unit, trainable: list[tuple[str, nn.Parameter, int]],
                          state_specs: list[Any]) -> Partition | None:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tiermem.runtime.activations import ActivationStore, _SavedActivation
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
@@ -81,6 +82,7 @@ class Runtime:
         self._in_backward = False
         self._awaiting_backward = False  # a grad-enabled forward ended; its pass ends with its backward
         self._distance: tuple[int, dict[int, int]] = (-1, {})  # (cursor, unit -> acquisitions until next use)
+        self.activations: ActivationStore | None = None  # saved activations on NVMe (activations.tier)
         swapper.next_use = self._next_use
 
     def _next_use(self, part: object) -> float:
@@ -111,6 +113,9 @@ class Runtime:
                     self._trainable_count[u.index] = self._trainable_count.get(u.index, 0) + 1
                     self.handles.append(p.register_hook(self._make_grad_arriving(u.index)))
                     self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        act = self.swapper.config.activations
+        if act.tier == "nvme":
+            self.activations = ActivationStore(self.swapper.store, act.buffer, act.min_bytes)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
 
@@ -121,12 +126,16 @@ class Runtime:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
+        if self.activations is not None:
+            self.activations.close()
 
     # -- backward (see [Note: backward]) ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
         base = t._base if t._base is not None else t
         found = self._param_unit.get(id(base))
         if found is None:
+            if self.activations is not None and not self._in_backward:
+                return self.activations.pack(t)  # see [Note: activation offload] in activations.py
             return t
         if base is t:
             return _SavedParam(t, found[0], None)  # type: ignore[arg-type]
@@ -135,6 +144,8 @@ class Runtime:
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _SavedParam):
+            if isinstance(saved, _SavedActivation):
+                return saved.store.unpack(saved)
             return saved
         self._backward_acquire(saved.unit)
         p = saved.param
@@ -210,6 +221,8 @@ class Runtime:
         if self._pass_depth == 0 and self._awaiting_backward:  # the last forward's backward never came
             self._awaiting_backward = False
             self._finish_pass()
+        if self._pass_depth == 0 and self.activations is not None:
+            self.activations.begin_pass()
         self._pass_depth += 1
 
     def _pass_end(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -311,6 +324,8 @@ class Runtime:
                     self.swapper.prefetch(part, "host")
 
     def reset_stats(self) -> None:
+        if self.activations is not None:
+            self.activations.reset_stats()
         self.stall_seconds = 0.0
         self.prefetch_hits = self.prefetch_misses = self.passes = 0
         self.schedule.hits = self.schedule.misses = self.schedule.retraces = 0

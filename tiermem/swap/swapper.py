@@ -84,7 +84,8 @@ class TensorSwapper:
         self._lock = threading.RLock()
         self._clock = 0  # advances on every fetch/release; orders LRU eviction
         self.partitions: dict[str, Partition] = {}  # by name, in insertion order
-        self.pool = HostBufferPool(cfg.memory.host_budget)  # every partition's host bytes come from here
+        # every partition's host bytes come from here; the activations' buffer is the budget's other part
+        self.pool = HostBufferPool(cfg.memory.host_budget - cfg.activations.host_bytes)
         self.ledger = Ledger(host_budget=self.pool.nbytes, device_budget=cfg.memory.device_budget)
         self._engine: IOEngine | None = engine  # made on first NVMe use unless given
         self._own_engine = engine is None  # close it on close() only if we made it
@@ -96,6 +97,14 @@ class TensorSwapper:
         # Optional: how soon a partition is needed again (larger = later). With it, eviction drops the
         # partition needed last (the runtime knows the schedule); without it, the least recently used.
         self.next_use: Callable[[Partition], float] | None = None
+
+    @property
+    def budget_text(self) -> str:
+        """The host budget partitions share, as error messages name it."""
+        size = format_size(self.pool.nbytes)
+        if self.config.activations.host_bytes:
+            return f"memory.host_budget less activations.buffer ({size})"
+        return f"memory.host_budget ({size})"
 
     # -- NVMe resources, made lazily so host-only configs never touch a disk --------------------------
     @property
@@ -532,7 +541,7 @@ class TensorSwapper:
         if part.size > budget:
             raise BudgetError(
                 f"partition {part.name!r} needs {format_size(part.size)} of host memory, more than the whole "
-                f"memory.host_budget ({format_size(budget)}); raise memory.host_budget or split the model into "
+                f"{self.budget_text}; raise memory.host_budget or split the model into "
                 "smaller units"
             )
         while True:
@@ -553,7 +562,7 @@ class TensorSwapper:
                         held = [p.name for p in self.partitions.values() if p.host is not None]
                         raise BudgetError(
                             f"partition {part.name!r} needs {format_size(part.size)} of host memory but "
-                            f"memory.host_budget ({format_size(budget)}) is held by partitions in use or homed on "
+                            f"{self.budget_text} is held by partitions in use or homed on "
                             f"host ({', '.join(held[:8])}{'...' if len(held) > 8 else ''}); release some, or "
                             "raise memory.host_budget"
                         )

@@ -1,0 +1,261 @@
+"""Saved activations on NVMe (activations.tier: nvme): results equal PyTorch's, memory really goes, space comes back."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests import models
+from tiermem import ConfigError, tiered_offload
+from tiermem.errors import StoreError
+
+ACT = {"activations.tier": "nvme", "activations.min_bytes": "16KiB", "activations.buffer": "512KiB"}
+
+
+def cfg(tmp_path, **extra: Any) -> dict[str, Any]:
+    out = {"device": "cpu", "nvme.paths": [str(tmp_path / "swap")], "wrap.min_unit_bytes": 0,
+           "memory.host_budget": "12MiB", "params.tier": "nvme", "optimizer.tier": "nvme", **ACT}
+    out.update(extra)
+    return out
+
+
+def wide() -> nn.Module:
+    """Activations of 64 x 512 floats (128 KiB) per layer for a batch of 64."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512),
+                         nn.Sigmoid(), nn.Linear(512, 8))
+
+
+def data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(64, 64, generator=g), torch.randn(64, 8, generator=g)) for _ in range(n)]
+
+
+def train(model: nn.Module, opt: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def assert_same(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("extra", [{}, {"optimizer.overlap_backward": True}, {"activations.buffer": "4MiB"}],
+                         ids=["buffer-smaller-than-a-step", "overlap-backward", "buffer-holds-a-step"])
+def test_training_with_activations_on_nvme_equals_pytorch(tmp_path, extra: dict[str, Any]) -> None:
+    """10 AdamW steps: losses and weights bit-exact; the activations really went to disk and came back."""
+    batches = data(10)
+    ref = wide()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), batches)
+    model = wide()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        **cfg(tmp_path, **extra)) as tm:
+        losses = train(model, tm.optimizer, batches)
+        st = tm.stats()
+    assert losses == ref_losses
+    assert_same(ref, model)
+    # per step: four 128 KiB storages (tanh's and sigmoid's outputs, saved by two ops each, count once) and the
+    # 16 KiB input
+    assert st["activations_saved_bytes"] == 10 * (4 * 64 * 512 * 4 + 64 * 64 * 4)
+    assert st["activations_bytes_written"] >= st["activations_saved_bytes"]
+    assert st["activations_kept_bytes"] == 0
+    if extra.get("activations.buffer") == "4MiB":
+        assert st["activations_bytes_read"] == 0  # a step's activations fit: backward finds them in memory
+    else:
+        assert st["activations_bytes_read"] > 0  # the buffer holds less than a step: backward read them back
+    assert st["activations_peak_host_bytes"] <= (4 << 20 if extra.get("activations.buffer") else 512 << 10)
+
+
+def test_gpt2_with_activations_on_nvme_equals_pytorch(tmp_path) -> None:
+    """GPT-2 (tied weights, attention's query/key/value as views of one tensor) trains bit-exactly."""
+    pytest.importorskip("transformers")
+
+    def build() -> nn.Module:
+        model = models.gpt2(layers=2, width=64, vocab=300)
+        model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+        return model.train()
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 300, (4, 32), generator=g) for _ in range(5)]
+    results = []
+    for offload in (False, True):
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"activations.min_bytes": "4KiB",
+                                                                     "activations.buffer": "128KiB"})) \
+                if offload else _null() as tm:
+            step_opt = tm.optimizer if tm is not None else opt
+            for ids in batches:
+                step_opt.zero_grad()
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                step_opt.step()
+                losses.append(float(loss.detach()))
+            if tm is not None:
+                assert tm.stats()["activations_bytes_read"] > 0
+        results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert results[0][0] == results[1][0]
+    for name, value in results[0][1].items():
+        assert torch.equal(results[1][1][name], value), name
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class Probe(nn.Module):
+    """Keeps a weak reference to an intermediate that only autograd holds after forward (sin saves it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 512)
+        self.seen: list[weakref.ref[torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * 2.0
+        self.seen.append(weakref.ref(h))
+        return h.sin()
+
+
+@pytest.mark.parametrize("tier", ["memory", "nvme"])
+def test_offloaded_activation_memory_is_freed_in_forward(tmp_path, tier: str) -> None:
+    """With activations on NVMe, a tensor that only autograd needs is gone when forward returns (it lives on
+    disk until backward); kept in memory, autograd holds it. Gradients are the same either way."""
+    torch.manual_seed(0)
+    model = Probe()
+    x = torch.randn(64, 64)
+    ref = Probe()
+    ref.load_state_dict(model.state_dict())
+    ref(x).sum().backward()
+    with tiered_offload(model, **cfg(tmp_path, **{"activations.tier": tier})):
+        out = model(x)
+        gc.collect()
+        assert (model.seen[-1]() is None) == (tier == "nvme")
+        out.sum().backward()
+    assert torch.equal(model.lin.weight.grad, ref.lin.weight.grad)
+
+
+class Gated(nn.Module):
+    """Saves two views of one storage in one op (like attention's query and key)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lin(x).chunk(2, dim=-1)
+        return a * b
+
+
+def test_views_of_one_storage_are_written_once(tmp_path) -> None:
+    torch.manual_seed(0)
+    model, ref = Gated(), Gated()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(64, 64)
+    ref(x).square().sum().backward()
+    with tiered_offload(model, **cfg(tmp_path)) as tm:
+        model(x).square().sum().backward()
+        st = tm.stats()
+    # the projection's output (64 x 1024 floats) once for both views, the product that square() saves (64 x 512)
+    # and the input that the projection saves (64 x 64)
+    assert st["activations_saved_bytes"] == 64 * 1024 * 4 + 64 * 512 * 4 + 64 * 64 * 4
+    assert torch.equal(model.lin.weight.grad, ref.lin.weight.grad)
+
+
+def test_retain_graph_and_two_forwards_before_backward(tmp_path) -> None:
+    """A graph run twice (retain_graph) and two forwards sharing one backward give PyTorch's gradients."""
+    torch.manual_seed(0)
+    model, ref = wide(), wide()
+    (x1, _), (x2, _) = data(2)
+    grads = []
+    for m, ctx in ((ref, _null()), (model, tiered_offload(model, **cfg(tmp_path)))):
+        with ctx:
+            loss = m(x1).square().mean()
+            loss.backward(retain_graph=True)
+            loss.backward()
+            (m(x1).sum() + m(x2).sum()).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_tensor_larger_than_the_buffer_stays_in_memory(tmp_path) -> None:
+    """Nothing fails for want of buffer: a saved tensor that cannot fit is kept where autograd keeps it."""
+    torch.manual_seed(0)
+    model, ref = wide(), wide()
+    x, _ = data(1)[0]
+    ref(x).sum().backward()
+    with tiered_offload(model, **cfg(tmp_path, **{"activations.buffer": "64KiB"})) as tm:
+        model(x).sum().backward()
+        st = tm.stats()
+    assert st["activations_kept_bytes"] >= 4 * 64 * 512 * 4
+    assert st["activations_saved_bytes"] == 64 * 64 * 4  # only the 16 KiB input fits
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_full_swap_keeps_activations_in_memory(tmp_path) -> None:
+    """When the swap store cannot take an activation (a full disk), it stays in memory; training goes on."""
+    torch.manual_seed(0)
+    model, ref = wide(), wide()
+    x, _ = data(1)[0]
+    ref(x).sum().backward()
+    with tiered_offload(model, **cfg(tmp_path)) as tm:
+        store = tm.swapper.store
+
+        def full(nbytes: int) -> Any:
+            raise StoreError(f"{store.run_dirs[0]}: no space for {nbytes} more swap")
+
+        store.allocate = full  # type: ignore[method-assign]
+        model(x).sum().backward()
+        assert tm.stats()["activations_kept_bytes"] > 0
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_swap_space_of_activations_comes_back(tmp_path) -> None:
+    """Once backward has run (or the graph is dropped), the activations' extents are free again."""
+    model = wide()
+    x, _ = data(1)[0]
+    with tiered_offload(model, **cfg(tmp_path)) as tm:
+        model(x).sum().backward()  # the first pass opens the store and records the order
+        acts = tm.runtime.activations
+        store = tm.swapper.store
+        acts.settle()
+        base = store.used
+        out = model(x).sum()
+        assert store.used > base
+        out.backward()
+        acts.settle()
+        assert store.used == base
+        out = model(x).sum()
+        assert store.used > base
+        del out  # a graph dropped without backward
+        gc.collect()
+        acts.settle()
+        assert store.used == base
+
+
+def test_activation_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"activations\.buffer.*memory\.host_budget"):
+        tiered_offload(wide(), **{"device": "cpu", "memory.host_budget": "1MiB", "activations.tier": "nvme",
+                                  "activations.buffer": "1MiB"}).__enter__()
+    with pytest.raises(ConfigError, match=r"activations\.tier"):
+        tiered_offload(wide(), **{"device": "cpu", "activations.tier": "disk"}).__enter__()
