@@ -13,6 +13,9 @@ memory, and sees the same batches in the same order. Variants:
                         cpu, memory.host_budget=--cpu-host-budget): every tier in host memory
   (c) tiermem nvme      the same with params.tier nvme, optimizer.tier nvme, grads.tier --grads-tier,
                         memory.host_budget=--host-budget, io.engine io_uring, nvme.paths [--swap-dir/tiermem]
+  (c') tiermem nvme     (c) with optimizer.overlap_backward: each unit is updated during backward
+  (c'') tiermem nvme    (c') with activations.tier nvme and activations.buffer --activations-buffer (part of
+                        the same host budget): saved activations go to swap in forward and come back for backward
   (d) DeepSpeed ZeRO-3  deepspeed.initialize with zero_optimization stage 3, offload_param and
                         offload_optimizer on NVMe (--swap-dir/deepspeed), its own AdamW (DeepSpeedCPUAdam),
                         DS_ACCELERATOR=cpu, gloo, one process; offload_param.buffer_count = the number of
@@ -44,7 +47,8 @@ its CPU Adam is another implementation, so they are not expected to be identical
 
     python3 bench/train_offload.py --json bench/results/train_offload.json
 
-A quick debug run: --layers 2 --width 256 --vocab 1000 --host-budget 32MiB --rounds 1 --warmup 1 --steps 2.
+A quick debug run: --layers 2 --width 256 --vocab 1000 --host-budget 32MiB --activations-buffer 4MiB --rounds 1
+--warmup 1 --steps 2.
 GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes; GiB = 2**30 bytes.
 """
 
@@ -103,9 +107,11 @@ VARIANTS = (
     Variant("tiermem_cpu", "(b) tiermem cpu tiers", "tiermem"),
     Variant("tiermem_nvme", "(c) tiermem nvme tiers", "tiermem"),
     Variant("tiermem_overlap", "(c') (c) + optimizer.overlap_backward", "tiermem"),
+    Variant("tiermem_act", "(c'') (c') + activations.tier nvme", "tiermem"),
     Variant("deepspeed", "(d) DeepSpeed ZeRO-3 NVMe", "deepspeed"),
 )
 BY_KEY = {v.key: v for v in VARIANTS}
+GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_overlap", "_overlap"), ("tiermem_act", "_act"))  # (c) and its kin
 
 
 # -- helpers used on both sides ---------------------------------------------------------------------
@@ -287,6 +293,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
             if tm is not None:
                 st = tm.stats()
                 sample.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds")})
+                sample.update({k: v for k, v in st.items() if k.startswith("activations_")})
                 sample["peak_host_bytes"] = st["peak_bytes"]["host"]
                 sample["peak_device_bytes"] = st["peak_bytes"]["device"]
             samples.append(sample)
@@ -439,6 +446,10 @@ def summarize(runs: list[dict[str, Any]], variants: list[Variant]) -> list[dict[
             entry["bytes_moved_mean"] = entry["bytes_read_mean"] + entry["bytes_written_mean"]
             entry["stall_seconds_std"] = _ms([t["stall_seconds"] for t in timed])[1]
             entry["peak_host_bytes_max"] = max(t["peak_host_bytes"] for t in timed)
+            for key in ("activations_stall_seconds", "activations_bytes_read", "activations_bytes_written",
+                        "activations_kept_bytes"):
+                if key in timed[0]:
+                    entry[f"{key}_mean"] = statistics.fmean(t[key] for t in timed)
             entry["units"] = ok[0]["units"]
             entry["largest_unit_bytes"] = ok[0]["largest_unit_bytes"]
         out.append(entry)
@@ -489,7 +500,7 @@ def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[st
         "optimizer_goal": f"(b) tm.optimizer.step() parameters/s >= {OPTIMIZER_GOAL} x torch.optim.AdamW.step()",
         "losses_goal": "(b) and (c) losses bit-identical to (a) at every step",
     }
-    for key, suffix in (("tiermem_nvme", ""), ("tiermem_overlap", "_overlap")):
+    for key, suffix in GOAL_VARIANTS:
         c = by.get(key)
         if c and a and bw:
             io_s = c["bytes_read_mean"] / (bw["read_gbps"] * GB) + c["bytes_written_mean"] / (bw["write_gbps"] * GB)
@@ -572,23 +583,25 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
                                                if x["variant"] != "deepspeed"))
     print()
     print("goals:")
-    g = verdict.get("io_bound")
-    if g:
-        pv = g["paired_vs_plain"]
-        print(f"  {verdict['io_goal']}: {'held' if g['held'] else 'NOT held'} ({g['tiermem_s']:.3f} s vs limit "
-              f"{g['limit_s']:.3f} s = {IO_GOAL} x max({g['plain_s']:.3f}, {g['io_seconds']:.3f}); ratio "
-              f"{g['ratio']:.2f}" + (f"; (c)/(a) paired per round {pv['mean']:.2f} ± {pv['std']:.2f}" if pv else "")
-              + ")")
-    g = verdict.get("vs_deepspeed")
-    if g:
-        pv = g["paired"]
-        print(f"  {verdict['ds_goal']}: {'held' if g['held'] else 'NOT held'} ({g['ratio']:.2f} x (d), limit {DS_GOAL}"
-              + (f", paired per round {pv['mean']:.2f} ± {pv['std']:.2f}" if pv else "") + ")")
-    g = verdict.get("rss")
-    if g:
-        print(f"  {verdict['rss_goal']}: {'held' if g['held'] else 'NOT held'} "
-              f"(peak {_gb(g['peak_rss_bytes_max'])} GB, steps alone {_gb(g['steps_peak_rss_bytes_max'])} GB, "
-              f"vs limit {_gb(g['limit_bytes'])} GB = {format_size(host_budget)} + {RSS_SLACK // 10**6} MB)")
+    for key, suffix in GOAL_VARIANTS:
+        name = BY_KEY[key].label.split(" ", 1)[0]
+        g = verdict.get("io_bound" + suffix)
+        if g:
+            pv = g["paired_vs_plain"]
+            print(f"  {name} {verdict['io_goal'][4:]}: {'held' if g['held'] else 'NOT held'} ({g['tiermem_s']:.3f} s "
+                  f"vs limit {g['limit_s']:.3f} s = {IO_GOAL} x max({g['plain_s']:.3f}, {g['io_seconds']:.3f}); ratio "
+                  f"{g['ratio']:.2f}" + (f"; {name}/(a) paired per round {pv['mean']:.2f} ± {pv['std']:.2f}" if pv
+                                         else "") + ")")
+        g = verdict.get("vs_deepspeed" + suffix)
+        if g:
+            pv = g["paired"]
+            print(f"  {name} {verdict['ds_goal'][4:]}: {'held' if g['held'] else 'NOT held'} ({g['ratio']:.2f} x (d), "
+                  f"limit {DS_GOAL}" + (f", paired per round {pv['mean']:.2f} ± {pv['std']:.2f}" if pv else "") + ")")
+        g = verdict.get("rss" + suffix)
+        if g:
+            print(f"  {name} {verdict['rss_goal'][4:]}: {'held' if g['held'] else 'NOT held'} "
+                  f"(peak {_gb(g['peak_rss_bytes_max'])} GB, steps alone {_gb(g['steps_peak_rss_bytes_max'])} GB, "
+                  f"vs limit {_gb(g['limit_bytes'])} GB = {format_size(host_budget)} + {RSS_SLACK // 10**6} MB)")
     g = verdict.get("optimizer")
     if g:
         pv = g["paired"]
@@ -616,6 +629,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host-budget", default="512MiB", help="(c)'s memory.host_budget (default 512MiB)")
     p.add_argument("--cpu-host-budget", default="2GiB", help="(b)'s memory.host_budget; it must hold the whole "
                    "training state (default 2GiB)")
+    p.add_argument("--activations-buffer", default="64MiB",
+                   help="activations.buffer of (c''), part of its host budget (default 64MiB)")
     p.add_argument("--grads-tier", default="cpu", choices=("cpu", "nvme"), help="(c)'s grads.tier (default cpu)")
     p.add_argument("--swap-dir", default=os.path.join(DEFAULT_DIR, "swap"),
                    help="folder for tiermem's and DeepSpeed's swap files and the bandwidth test")
@@ -698,6 +713,8 @@ def main(argv: list[str]) -> int:
                          "nvme.paths": [tm_swap], "io.engine": "io_uring"},
     }
     tiers["tiermem_overlap"] = {**tiers["tiermem_nvme"], "optimizer.overlap_backward": True}
+    tiers["tiermem_act"] = {**tiers["tiermem_overlap"], "activations.tier": "nvme",
+                            "activations.buffer": args.activations_buffer}
     variants = [BY_KEY[k] for k in args.variants.split(",")]
     runs: list[dict[str, Any]] = []
     disturbed: list[dict[str, Any]] = []  # processes run again because others took CPU during their steps
