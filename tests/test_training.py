@@ -110,6 +110,16 @@ def test_sgd_momentum_equal_pytorch(tmp_path, nesterov: bool) -> None:
                                                 nesterov=nesterov), steps=20)
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda m: torch.optim.AdamW(two_groups(m, lr=3e-3), lr=1e-3, fused=True),
+    lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01, fused=True),
+    lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.01, fused=True),
+], ids=["adamw", "adam", "sgd-momentum"])
+def test_fused_optimizers_equal_pytorch_fused(tmp_path, make_opt: Callable[[nn.Module], Any]) -> None:
+    """An optimizer built with fused=True is updated with PyTorch's fused CPU kernel: bit-exact with it."""
+    compare(tmp_path, make_opt, steps=15)
+
+
 def test_plain_sgd_equal_pytorch(tmp_path) -> None:
     """SGD without momentum keeps no state and matches torch."""
     compare(tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), steps=10)

@@ -93,7 +93,7 @@ def run_training(args: argparse.Namespace) -> int:
     model = GPT2LMHeadModel(cfg).train()
     n_params = sum(p.numel() for p in model.parameters())
     state_bytes = n_params * 16  # fp32 weights, gradients and two Adam moments
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
     swap = os.path.join(args.dir, "swap-train")
     ckpt = os.path.join(args.dir, "train-checkpoint")
     overrides: dict[str, Any] = {"device": "auto", "params.tier": "nvme", "optimizer.tier": "nvme",

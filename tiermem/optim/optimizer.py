@@ -378,14 +378,17 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _apply(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor],
                step: int) -> int:
-        """PyTorch's own update on one flat range; returns the new step count."""
+        """PyTorch's own update on one flat range; returns the new step count. The kernel is the one the user's
+        optimizer would run: fused when it was built with fused=True, else the single-tensor one (the same
+        arithmetic as foreach, and for one flat range just as fast)."""
+        fused = True if group.get("fused") else None
         if self.kind is torch.optim.SGD:
             momentum = group.get("momentum", 0)
             buf: list[torch.Tensor | None] = [st["momentum_buffer"] if step > 0 and momentum else None]
             sgd_update([p], [g], buf, weight_decay=group["weight_decay"], momentum=momentum,
                                 lr=_float(group["lr"]), dampening=group.get("dampening", 0),
                                 nesterov=group.get("nesterov", False), maximize=group.get("maximize", False),
-                                foreach=False)
+                                foreach=False, fused=fused)
             if momentum and step == 0 and buf[0] is not None:
                 st["momentum_buffer"].copy_(buf[0])
             return step + 1
@@ -394,7 +397,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         adam_update(
             [p], [g], [st["exp_avg"]], [st["exp_avg_sq"]],
             [st["max_exp_avg_sq"]] if group.get("amsgrad") else [], [step_t],
-            foreach=False, fused=None, capturable=False, differentiable=False, has_complex=False,
+            foreach=False, fused=fused, capturable=False, differentiable=False, has_complex=False,
             decoupled_weight_decay=group.get("decoupled_weight_decay", self.kind is torch.optim.AdamW),
             amsgrad=group.get("amsgrad", False), beta1=beta1, beta2=beta2, lr=_float(group["lr"]),
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False))
