@@ -630,8 +630,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host-budget", default="512MiB", help="(c)'s memory.host_budget (default 512MiB)")
     p.add_argument("--cpu-host-budget", default="2GiB", help="(b)'s memory.host_budget; it must hold the whole "
                    "training state (default 2GiB)")
-    p.add_argument("--activations-buffer", default="64MiB",
-                   help="activations.buffer of (c''), part of its host budget (default 64MiB)")
+    p.add_argument("--activations-buffer", default="32MiB",
+                   help="activations.buffer of (c''), part of its host budget (default 32MiB)")
     p.add_argument("--grads-tier", default="cpu", choices=("cpu", "nvme"), help="(c)'s grads.tier (default cpu)")
     p.add_argument("--swap-dir", default=os.path.join(DEFAULT_DIR, "swap"),
                    help="folder for tiermem's and DeepSpeed's swap files and the bandwidth test")
