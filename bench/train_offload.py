@@ -16,6 +16,9 @@ seed, in host memory, and sees the same batches in the same order. Variants:
   (c') tiermem nvme     (c) with optimizer.overlap_backward: each unit is updated during backward
   (c'') tiermem nvme    (c') with activations.tier nvme and activations.buffer --activations-buffer (part of
                         the same host budget): saved activations go to swap in forward and come back for backward
+  (c''') tiermem nvme   (c'') with MALLOC_MMAP_THRESHOLD_=262144 in its environment (a diagnostic, only when
+                        named in --variants): glibc then maps every allocation of 256 KiB or more on its own
+                        and unmaps it on free, so RSS follows the memory in use instead of glibc's heap
   (d) DeepSpeed ZeRO-3  deepspeed.initialize with zero_optimization stage 3, offload_param and
                         offload_optimizer on NVMe (--swap-dir/deepspeed), its own AdamW (DeepSpeedCPUAdam),
                         DS_ACCELERATOR=cpu, gloo, one process; offload_param.buffer_count = the number of
@@ -101,6 +104,8 @@ class Variant:
     key: str  # stable name used in the JSON and the worker's command line
     label: str  # what the tables print
     kind: str  # plain | tiermem | deepspeed
+    env: tuple[tuple[str, str], ...] = ()  # set in the worker's environment
+    default: bool = True  # in the default --variants
 
 
 VARIANTS = (
@@ -109,10 +114,15 @@ VARIANTS = (
     Variant("tiermem_nvme", "(c) tiermem nvme tiers", "tiermem"),
     Variant("tiermem_overlap", "(c') (c) + optimizer.overlap_backward", "tiermem"),
     Variant("tiermem_act", "(c'') (c') + activations.tier nvme", "tiermem"),
+    # a diagnostic, not run by default: glibc told to map every allocation of 256 KiB or more on its own and
+    # unmap it on free, so that freed activation memory leaves the process instead of staying in its heap
+    Variant("tiermem_act_mmap", "(c''') (c'') + MALLOC_MMAP_THRESHOLD_", "tiermem",
+            env=(("MALLOC_MMAP_THRESHOLD_", "262144"),), default=False),
     Variant("deepspeed", "(d) DeepSpeed ZeRO-3 NVMe", "deepspeed"),
 )
 BY_KEY = {v.key: v for v in VARIANTS}
-GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_overlap", "_overlap"), ("tiermem_act", "_act"))  # (c) and its kin
+GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_overlap", "_overlap"), ("tiermem_act", "_act"),
+                 ("tiermem_act_mmap", "_act_mmap"))  # (c) and its kin
 
 
 # -- helpers used on both sides ---------------------------------------------------------------------
@@ -319,6 +329,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # -- subprocesses -------------------------------------------------------------------------------------
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
+    env.update(BY_KEY[spec["variant"]].env)
     if spec["variant"] == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                    WORLD_SIZE="1", LOCAL_RANK="0")
@@ -642,8 +653,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "cores than this (default 0.3)")
     p.add_argument("--retries", type=int, default=2, help="times to run a process again when other processes "
                    "took --quiet-cores or more during its timed steps (default 2; the last attempt is kept)")
-    p.add_argument("--variants", default=",".join(v.key for v in VARIANTS),
-                   help="comma-separated subset of: " + ", ".join(v.key for v in VARIANTS))
+    p.add_argument("--variants", default=",".join(v.key for v in VARIANTS if v.default),
+                   help="comma-separated subset of: " + ", ".join(v.key for v in VARIANTS)
+                   + " (default: all but tiermem_act_mmap)")
     p.add_argument("--json", metavar="OUT.json", default=None, help="also write every figure to this file")
     args = p.parse_args(argv)
     if args.heads is None:
@@ -716,6 +728,7 @@ def main(argv: list[str]) -> int:
     tiers["tiermem_overlap"] = {**tiers["tiermem_nvme"], "optimizer.overlap_backward": True}
     tiers["tiermem_act"] = {**tiers["tiermem_overlap"], "activations.tier": "nvme",
                             "activations.buffer": args.activations_buffer}
+    tiers["tiermem_act_mmap"] = tiers["tiermem_act"]
     variants = [BY_KEY[k] for k in args.variants.split(",")]
     runs: list[dict[str, Any]] = []
     disturbed: list[dict[str, Any]] = []  # processes run again because others took CPU during their steps
