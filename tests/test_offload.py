@@ -10,6 +10,7 @@ from torch import nn
 
 from tests import models
 from tiermem import OffloadError, tiered_offload
+from tiermem.io.engine import available_backends
 
 pytest.importorskip("transformers")
 
@@ -252,3 +253,17 @@ def test_host_tier_larger_than_budget_is_refused_up_front(tmp_path) -> None:
         with tiered_offload(model, **cfg(tmp_path, "cpu", **{"memory.host_budget": "256KiB"})):
             pass
     assert_restored(model, before)
+
+
+@pytest.mark.skipif(available_backends()["io_uring"] is not None, reason="needs io_uring")
+def test_pool_is_registered_only_after_the_model_is_packed(tmp_path) -> None:
+    """Registering the host pool faults in all of it; on entry that waits until the model's own parameters
+    are packed and freed, so the two never add up. Packing's writes therefore use plain buffers, and the
+    forward's reads the registered ones."""
+    model = models.gpt2()
+    with tiered_offload(model, **cfg(tmp_path, **{"io.engine": "io_uring", "memory.host_budget": "512KiB"})) as tm:
+        stats = tm.swapper.engine.core_stats()  # type: ignore[attr-defined]
+        assert stats["chunks"] > 0 and stats["fixed_chunks"] == 0
+        model(torch.randint(0, 500, (1, 8)))
+        assert tm.stats()["bytes_read"] > 0  # the model is larger than the budget: forward reads it
+        assert tm.swapper.engine.core_stats()["fixed_chunks"] > 0  # type: ignore[attr-defined]

@@ -173,6 +173,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         raise OffloadError(f"optimizer: {type(optimizer).__name__} is not supported under tiered_offload; use one "
                            f"of {names}")
     swapper = TensorSwapper(config, engine=engine, **overrides)
+    swapper.defer_registration = True  # until the model's parameters are packed (_pack registers the pool)
     if swapper.config.activations.tier == "nvme" and swapper.device.type != "cpu":
         swapper.close()
         raise OffloadError(f"activations.tier: nvme is implemented for the CPU compute device only, and the device "
@@ -268,6 +269,7 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
             ckpt.close()
     swapper.flush()  # every NVMe partition is on disk before the first forward
     trim()  # the model's own parameter memory is free now: give it back (see tiermem/memory.py)
+    swapper.register_pool()  # only now: registering faults in the whole pool (see TensorSwapper.__init__)
     return Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
 
 

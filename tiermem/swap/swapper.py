@@ -89,6 +89,10 @@ class TensorSwapper:
         self.ledger = Ledger(host_budget=self.pool.nbytes, device_budget=cfg.memory.device_budget)
         self._engine: IOEngine | None = engine  # made on first NVMe use unless given
         self._own_engine = engine is None  # close it on close() only if we made it
+        # Registering the pool with the engine faults in (and pins) every page of it at once; `tiered_offload`
+        # defers that until the model's own parameters are packed and freed, so the two never add up.
+        self.defer_registration = False
+        self._pool_registered = False
         self._store: SwapStore | None = None  # made on first NVMe use
         self.bytes_read = 0
         self.bytes_written = 0
@@ -115,8 +119,17 @@ class TensorSwapper:
                 io = self.config.io
                 self._engine = create_engine(io.engine, block_size=io.block_size, queue_depth=io.queue_depth,
                                              sqpoll=io.sqpoll)
-                self._engine.register_buffers(self.pool.regions)
+                if not self.defer_registration:
+                    self.register_pool()
             return self._engine
+
+    def register_pool(self) -> None:
+        """Register the host pool with the engine this swapper made (fixed buffers), once."""
+        with self._lock:
+            self.defer_registration = False
+            if self._engine is not None and self._own_engine and not self._pool_registered:
+                self._pool_registered = True
+                self._engine.register_buffers(self.pool.regions)
 
     @property
     def store(self) -> SwapStore:
