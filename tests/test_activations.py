@@ -259,3 +259,15 @@ def test_activation_settings_are_checked() -> None:
                                   "activations.buffer": "1MiB"}).__enter__()
     with pytest.raises(ConfigError, match=r"activations\.tier"):
         tiered_offload(wide(), **{"device": "cpu", "activations.tier": "disk"}).__enter__()
+
+
+def test_leaving_with_a_graph_alive(tmp_path) -> None:
+    """A graph made inside the context and dropped after it leaves cleanly: no error, no crash."""
+    model = wide()
+    x, _ = data(1)[0]
+    with tiered_offload(model, **cfg(tmp_path)) as tm:
+        out = model(x).sum()
+        assert tm.stats()["activations_saved_bytes"] > 0
+    del out
+    gc.collect()
+    assert not list((tmp_path / "swap").glob("tiermem-*"))  # the swap files went with the context
