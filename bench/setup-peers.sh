@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the peers that bench/io_vs_peers.py compares tiermem with: fio, libaio (for DeepSpeed's
-# aio op) and DeepSpeed itself. Benchmark-only; tiermem does not depend on any of them.
+# aio op) and DeepSpeed itself, and jemalloc for bench/train_offload.py's allocator variants.
+# Benchmark-only; tiermem does not depend on any of them.
 # Usage: bash bench/setup-peers.sh   (as root, or with sudo available for apt-get)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -9,7 +10,7 @@ python="${PYTHON:-python3}"
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
 $sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libaio-dev fio
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libaio-dev fio libjemalloc2
 
 # DeepSpeed asks for torch>=2; pin whatever torch is installed so pip keeps it (a CPU build must not be
 # swapped for another wheel). The pin is added to any constraint file pip is already configured with.

@@ -19,6 +19,8 @@ seed, in host memory, and sees the same batches in the same order. Variants:
   (c''') tiermem nvme   (c'') with MALLOC_MMAP_THRESHOLD_=262144 in its environment (a diagnostic, only when
                         named in --variants): glibc then maps every allocation of 256 KiB or more on its own
                         and unmaps it on free, so RSS follows the memory in use instead of glibc's heap
+  (a/je), (c''/je)      (a) and (c'') with jemalloc as the process's malloc (LD_PRELOAD=libjemalloc.so.2, from
+                        Debian's libjemalloc2), only when named in --variants
   (d) DeepSpeed ZeRO-3  deepspeed.initialize with zero_optimization stage 3, offload_param and
                         offload_optimizer on NVMe (--swap-dir/deepspeed), its own AdamW (DeepSpeedCPUAdam),
                         DS_ACCELERATOR=cpu, gloo, one process; offload_param.buffer_count = the number of
@@ -97,6 +99,17 @@ OPTIMIZER_GOAL = 0.9  # (b) tm.optimizer.step() parameters/s >= this x torch.opt
 MIN_STATE_TO_BUDGET = 2  # the training state should be at least this x the host budget of (c)
 
 
+def _find_jemalloc() -> str:
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
+        path = os.path.join(d, "libjemalloc.so.2")
+        if os.path.exists(path):
+            return path
+    return ""
+
+
+JEMALLOC = _find_jemalloc()  # empty when not installed (apt-get install libjemalloc2; bench/setup-peers.sh does)
+
+
 @dataclass(frozen=True)
 class Variant:
     """One column of the comparison."""
@@ -118,11 +131,16 @@ VARIANTS = (
     # unmap it on free, so that freed activation memory leaves the process instead of staying in its heap
     Variant("tiermem_act_mmap", "(c''') (c'') + MALLOC_MMAP_THRESHOLD_", "tiermem",
             env=(("MALLOC_MMAP_THRESHOLD_", "262144"),), default=False),
+    # jemalloc instead of glibc's malloc (LD_PRELOAD), for (a) and (c''): not run by default either
+    Variant("plain_jemalloc", "(a/je) (a) under jemalloc", "plain", env=(("LD_PRELOAD", JEMALLOC),),
+            default=False),
+    Variant("tiermem_act_jemalloc", "(c''/je) (c'') under jemalloc", "tiermem", env=(("LD_PRELOAD", JEMALLOC),),
+            default=False),
     Variant("deepspeed", "(d) DeepSpeed ZeRO-3 NVMe", "deepspeed"),
 )
 BY_KEY = {v.key: v for v in VARIANTS}
 GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_overlap", "_overlap"), ("tiermem_act", "_act"),
-                 ("tiermem_act_mmap", "_act_mmap"))  # (c) and its kin
+                 ("tiermem_act_mmap", "_act_mmap"), ("tiermem_act_jemalloc", "_act_jemalloc"))  # (c) and its kin
 
 
 # -- helpers used on both sides ---------------------------------------------------------------------
@@ -330,6 +348,8 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
     env.update(BY_KEY[spec["variant"]].env)
+    if "LD_PRELOAD" in env and not env["LD_PRELOAD"]:
+        raise RuntimeError("libjemalloc.so.2 is not installed; apt-get install libjemalloc2 (bench/setup-peers.sh)")
     if spec["variant"] == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                    WORLD_SIZE="1", LOCAL_RANK="0")
@@ -514,13 +534,17 @@ def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[st
     }
     for key, suffix in GOAL_VARIANTS:
         c = by.get(key)
-        if c and a and bw:
-            io_s = c["bytes_read_mean"] / (bw["read_gbps"] * GB) + c["bytes_written_mean"] / (bw["write_gbps"] * GB)
-            limit = IO_GOAL * max(a["seconds_mean"], io_s)
-            out["io_bound" + suffix] = {"held": c["seconds_mean"] <= limit, "tiermem_s": c["seconds_mean"],
-                                        "plain_s": a["seconds_mean"], "io_seconds": io_s, "limit_s": limit,
-                                        "ratio": c["seconds_mean"] / max(a["seconds_mean"], io_s),
-                                        "paired_vs_plain": paired(runs, key, "plain")}
+        for base, tail in (("plain", ""), ("plain_jemalloc", "_vs_plain_jemalloc")):
+            a_ = by.get(base)
+            if c and a_ and bw and (not tail or key == "tiermem_act_jemalloc"):
+                io_s = (c["bytes_read_mean"] / (bw["read_gbps"] * GB)
+                        + c["bytes_written_mean"] / (bw["write_gbps"] * GB))
+                limit = IO_GOAL * max(a_["seconds_mean"], io_s)
+                out["io_bound" + suffix + tail] = {
+                    "held": c["seconds_mean"] <= limit, "tiermem_s": c["seconds_mean"], "plain": base,
+                    "plain_s": a_["seconds_mean"], "io_seconds": io_s, "limit_s": limit,
+                    "ratio": c["seconds_mean"] / max(a_["seconds_mean"], io_s),
+                    "paired_vs_plain": paired(runs, key, base)}
         if c and d:
             out["vs_deepspeed" + suffix] = {"held": c["seconds_mean"] <= DS_GOAL * d["seconds_mean"],
                                             "ratio": c["seconds_mean"] / d["seconds_mean"],
@@ -597,13 +621,15 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
     print("goals:")
     for key, suffix in GOAL_VARIANTS:
         name = BY_KEY[key].label.split(" ", 1)[0]
-        g = verdict.get("io_bound" + suffix)
-        if g:
-            pv = g["paired_vs_plain"]
-            print(f"  {name} {verdict['io_goal'][4:]}: {'held' if g['held'] else 'NOT held'} ({g['tiermem_s']:.3f} s "
-                  f"vs limit {g['limit_s']:.3f} s = {IO_GOAL} x max({g['plain_s']:.3f}, {g['io_seconds']:.3f}); ratio "
-                  f"{g['ratio']:.2f}" + (f"; {name}/(a) paired per round {pv['mean']:.2f} ± {pv['std']:.2f}" if pv
-                                         else "") + ")")
+        for tail in ("", "_vs_plain_jemalloc"):
+            g = verdict.get("io_bound" + suffix + tail)
+            if g:
+                pv = g["paired_vs_plain"]
+                base = BY_KEY[g["plain"]].label.split(" ", 1)[0]
+                print(f"  {name} {verdict['io_goal'][4:].replace('(a)', base)}: {'held' if g['held'] else 'NOT held'} "
+                      f"({g['tiermem_s']:.3f} s vs limit {g['limit_s']:.3f} s = {IO_GOAL} x max({g['plain_s']:.3f}, "
+                      f"{g['io_seconds']:.3f}); ratio {g['ratio']:.2f}"
+                      + (f"; {name}/{base} paired per round {pv['mean']:.2f} ± {pv['std']:.2f}" if pv else "") + ")")
         g = verdict.get("vs_deepspeed" + suffix)
         if g:
             pv = g["paired"]
@@ -728,7 +754,7 @@ def main(argv: list[str]) -> int:
     tiers["tiermem_overlap"] = {**tiers["tiermem_nvme"], "optimizer.overlap_backward": True}
     tiers["tiermem_act"] = {**tiers["tiermem_overlap"], "activations.tier": "nvme",
                             "activations.buffer": args.activations_buffer}
-    tiers["tiermem_act_mmap"] = tiers["tiermem_act"]
+    tiers["tiermem_act_mmap"] = tiers["tiermem_act_jemalloc"] = tiers["tiermem_act"]
     variants = [BY_KEY[k] for k in args.variants.split(",")]
     runs: list[dict[str, Any]] = []
     disturbed: list[dict[str, Any]] = []  # processes run again because others took CPU during their steps
