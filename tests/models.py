@@ -3,6 +3,10 @@ that exercise the awkward cases (a layer used twice, nested units, buffers, keyw
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -14,6 +18,39 @@ def gpt2(layers: int = 4, width: int = 64, vocab: int = 500) -> nn.Module:
     cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=64,
                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return GPT2LMHeadModel(cfg).eval()
+
+
+def gpt2_training_matches(offload: dict[str, Any], *, width: int, vocab: int, shape: tuple[int, int], steps: int,
+                          check: Callable[[Any], None] | None = None) -> None:
+    """Train a 2-layer GPT-2 (tied embedding and head, dropout off) with AdamW in memory and under
+    tiered_offload(**offload) from the same seed on the same batches: losses and weights must be bit-identical.
+    `check(tm)` runs inside the context after the last step."""
+    from tiermem import tiered_offload
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, vocab, shape, generator=g) for _ in range(steps)]
+    results = []
+    for offloaded in (False, True):
+        model = gpt2(layers=2, width=width, vocab=vocab)
+        model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+        model.train()
+        assert model.lm_head.weight is model.transformer.wte.weight
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        with tiered_offload(model, optimizer=opt, **offload) if offloaded else nullcontext() as tm:
+            step_opt = tm.optimizer if tm is not None else opt
+            for ids in data:
+                step_opt.zero_grad()
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                step_opt.step()
+                losses.append(float(loss.detach()))
+            if tm is not None and check is not None:
+                check(tm)
+        results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert results[0][0] == results[1][0]
+    for name, value in results[0][1].items():
+        assert torch.equal(results[1][1][name], value), name
 
 
 def llama(layers: int = 3, width: int = 64, vocab: int = 500) -> nn.Module:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -82,42 +83,11 @@ def test_gpt2_with_activations_on_nvme_equals_pytorch(tmp_path) -> None:
     """GPT-2 (tied weights, attention's query/key/value as views of one tensor) trains bit-exactly."""
     pytest.importorskip("transformers")
 
-    def build() -> nn.Module:
-        model = models.gpt2(layers=2, width=64, vocab=300)
-        model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
-        return model.train()
+    def read_back(tm: Any) -> None:
+        assert tm.stats()["activations_bytes_read"] > 0
 
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 300, (4, 32), generator=g) for _ in range(5)]
-    results = []
-    for offload in (False, True):
-        model = build()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"activations.min_bytes": "4KiB",
-                                                                     "activations.buffer": "128KiB"})) \
-                if offload else _null() as tm:
-            step_opt = tm.optimizer if tm is not None else opt
-            for ids in batches:
-                step_opt.zero_grad()
-                loss = model(ids, labels=ids).loss
-                loss.backward()
-                step_opt.step()
-                losses.append(float(loss.detach()))
-            if tm is not None:
-                assert tm.stats()["activations_bytes_read"] > 0
-        results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
-    assert results[0][0] == results[1][0]
-    for name, value in results[0][1].items():
-        assert torch.equal(results[1][1][name], value), name
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    models.gpt2_training_matches(cfg(tmp_path, **{"activations.min_bytes": "4KiB", "activations.buffer": "128KiB"}),
+                                 width=64, vocab=300, shape=(4, 32), steps=5, check=read_back)
 
 
 class Probe(nn.Module):
@@ -185,7 +155,7 @@ def test_retain_graph_and_two_forwards_before_backward(tmp_path) -> None:
     model, ref = wide(), wide()
     (x1, _), (x2, _) = data(2)
     grads = []
-    for m, ctx in ((ref, _null()), (model, tiered_offload(model, **cfg(tmp_path)))):
+    for m, ctx in ((ref, nullcontext()), (model, tiered_offload(model, **cfg(tmp_path)))):
         with ctx:
             loss = m(x1).square().mean()
             loss.backward(retain_graph=True)

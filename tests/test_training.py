@@ -168,35 +168,7 @@ def test_batchnorm_dropout_frozen_equal_pytorch(tmp_path) -> None:
 def test_gpt2_tied_weights_train_equal_pytorch(tmp_path) -> None:
     """GPT-2 with its tied embedding/head trains like in memory (dropout off, fp32)."""
     pytest.importorskip("transformers")
-
-    def build() -> nn.Module:
-        model = models.gpt2(layers=2, width=32, vocab=100)
-        model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
-        return model.train()
-
-    g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 100, (2, 8), generator=g) for _ in range(6)]
-    results = []
-    for offload in (False, True):
-        model = build()
-        assert model.lm_head.weight is model.transformer.wte.weight
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        ctx = tiered_offload(model, optimizer=opt, **cfg(tmp_path)) if offload else None
-        tm = ctx.__enter__() if ctx else None
-        step_opt = tm.optimizer if tm else opt
-        for ids in data:
-            step_opt.zero_grad()
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            step_opt.step()
-            losses.append(float(loss.detach()))
-        if ctx:
-            ctx.__exit__(None, None, None)
-        results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
-    assert results[0][0] == results[1][0]
-    for name, value in results[0][1].items():
-        assert torch.equal(results[1][1][name], value), name
+    models.gpt2_training_matches(cfg(tmp_path), width=32, vocab=100, shape=(2, 8), steps=6)
 
 
 def test_original_optimizer_step_does_the_same(tmp_path) -> None:
