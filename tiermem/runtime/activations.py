@@ -73,7 +73,7 @@ class _Record:
     """One saved storage: its bytes in a slot, on disk, or both."""
 
     __slots__ = ("seq", "nbytes", "data", "extent", "writing", "written", "error", "handles", "unpacked",
-                 "reading", "source", "version", "ptr")
+                 "reading", "source", "version")
 
     def __init__(self, seq: int, nbytes: int) -> None:
         self.seq = seq
@@ -88,7 +88,6 @@ class _Record:
         self.reading: IOFuture | None = None
         self.source: weakref.ref[torch.Tensor] | None = None  # a tensor on the original storage, while alive
         self.version = -1
-        self.ptr = 0
 
 
 class _SavedActivation:
@@ -122,7 +121,7 @@ class ActivationStore:
         self._seq = 0
         self._cached: deque[_Record] = deque()  # records holding a slot, oldest first
         self._pending: list[_Record] = []  # this pass's records, in pack order (for read-ahead)
-        self._ahead = 0  # index into _pending below which read-ahead has not looked yet
+        self._ahead = 1 << 62  # the lowest index into _pending that backward has unpacked; reads go below it
         self._by_ptr: dict[int, _Record] = {}
         self.bytes_written = 0
         self.bytes_read = 0
@@ -172,7 +171,6 @@ class ActivationStore:
         rec.data = data
         rec.source = weakref.ref(t._base if t._base is not None else t)
         rec.version = t._version
-        rec.ptr = ptr
         self._by_ptr[ptr] = rec
         self._cached.append(rec)
         self._pending.append(rec)
