@@ -89,6 +89,29 @@ def test_views_not_copies_and_dirty_write_back(tmp_path) -> None:
         sw.release(part)
 
 
+def test_views_are_made_once_per_buffer(tmp_path) -> None:
+    """The same host buffer gives the same view objects; after an eviction and a fetch into another buffer,
+    the views are new and see the new buffer's bytes."""
+    with _swapper(tmp_path) as sw:
+        part = sw.add("w", {"a": torch.arange(1000.0), "b": torch.ones(10)})
+        first = sw.acquire(part)
+        address = part.host.address  # type: ignore[union-attr]
+        sw.release(part)
+        again = sw.acquire(part)
+        assert all(again[k] is first[k] for k in first)
+        again.pop("a")  # callers get their own dict: this does not reach the next caller
+        sw.release(part)
+        sw.evict(part).wait()
+        blocker = sw.add("blocker", {"y": torch.zeros(1010)})  # takes the piece `part` had
+        back = sw.acquire(part)
+        assert part.host.address != address  # type: ignore[union-attr]
+        assert back.keys() == {"a", "b"} and back["a"] is not first["a"]
+        assert back["a"].data_ptr() == part.host.address  # type: ignore[union-attr]
+        assert torch.equal(back["a"], torch.arange(1000.0))
+        sw.release(part)
+        assert blocker.host is not None
+
+
 def test_clean_eviction_skips_the_write(tmp_path) -> None:
     """Evicting a partition whose NVMe copy is current writes nothing."""
     with _swapper(tmp_path) as sw:

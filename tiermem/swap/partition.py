@@ -44,6 +44,10 @@ class Partition:
         self.waiters: list[tuple[str, IOFuture]] = []  # (target tier, future) waiting for a transfer
         self.pinned = False  # kept in host memory between uses: evicted only when nothing else can be
         self.discarded = False  # contents dropped (TensorSwapper.discard): the next fetch gives zeros, no read
+        # the views `tensors()` made last, and the buffer they view: the same buffer gets the same views (a
+        # training step asks for every partition's views several times; making them costs more than the update
+        # of a small unit)
+        self._views: tuple[torch.Tensor | PoolBuffer, dict[str, torch.Tensor]] | None = None
 
     @property
     def size(self) -> int:
@@ -63,12 +67,18 @@ class Partition:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The partition's tensors as views of wherever its bytes are now (device first), by name."""
+        backing: torch.Tensor | PoolBuffer
         if self.state is Residency.DEVICE and self.device_data is not None:
-            return self.layout.views(self.device_data)
-        if self.host is None or self.state in (Residency.NVME, Residency.READING):
+            backing = self.device_data
+        elif self.host is None or self.state in (Residency.NVME, Residency.READING):
             raise StateError(f"partition {self.name!r} is {self.state.value}; acquire or fetch it before using "
                              "its tensors")
-        return self.layout.views(self.host.tensor())
+        else:
+            backing = self.host
+        if self._views is None or self._views[0] is not backing:
+            flat = backing if isinstance(backing, torch.Tensor) else backing.tensor()
+            self._views = (backing, self.layout.views(flat))
+        return dict(self._views[1])
 
     def __repr__(self) -> str:
         return f"Partition({self.name!r}, {self.size} bytes, home={self.home.value}, {self.state.value})"
