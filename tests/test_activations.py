@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tests import models
+from tests.test_training import cfg as training_cfg
 from tiermem import ConfigError, tiered_offload
 from tiermem.errors import StoreError
 
@@ -19,10 +20,8 @@ ACT = {"activations.tier": "nvme", "activations.min_bytes": "16KiB", "activation
 
 
 def cfg(tmp_path, **extra: Any) -> dict[str, Any]:
-    out = {"device": "cpu", "nvme.paths": [str(tmp_path / "swap")], "wrap.min_unit_bytes": 0,
-           "memory.host_budget": "12MiB", "params.tier": "nvme", "optimizer.tier": "nvme", **ACT}
-    out.update(extra)
-    return out
+    """test_training's nvme tiers, with a budget for these wider layers and activations on NVMe."""
+    return training_cfg(tmp_path, **{"memory.host_budget": "12MiB", **ACT, **extra})
 
 
 def wide() -> nn.Module:
