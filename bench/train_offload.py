@@ -3,7 +3,9 @@
 memory as the baseline, side by side in one run.
 
 The model is a GPT-2 (transformers GPT2Config(n_embd=768, n_layer=12, n_head=12, vocab_size=8192,
-n_positions=128), dropout off, fp32, the embedding and the head tied as transformers ties them by default),
+n_positions=128, use_cache=False), dropout off, fp32, the embedding and the head tied as transformers ties
+them by default; use_cache=False because training never reads the key/value cache, which would otherwise hold
+every block's keys and values until the forward returns),
 trained with AdamW(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True) on batches of
 2 x 128 random tokens, loss = model(ids, labels=ids).loss. Every variant builds the same model from the same
 seed, in host memory, and sees the same batches in the same order. Variants:
@@ -204,7 +206,7 @@ def build_model(spec: dict[str, Any]) -> Any:
     torch.manual_seed(SEED)
     cfg = GPT2Config(n_layer=spec["layers"], n_embd=spec["width"], n_head=spec["heads"], vocab_size=spec["vocab"],
                      n_positions=spec["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                     bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
     return GPT2LMHeadModel(cfg).train()
 
 
@@ -344,16 +346,49 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def update_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer update alone, in one process: tiermem's tm.optimizer.step() over (b)'s cpu tiers and
+    torch.optim.AdamW.step() on an in-memory copy of the same model with the same gradients, timed in turns
+    (which one goes first alternates), every step repeating the last one's arithmetic on the same data."""
+    import torch
+
+    import tiermem
+
+    model, ref = build_model(spec), build_model(spec)  # one seed: the same weights
+    ids = make_batches(spec, 1)[0]
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    ref(ids, labels=ids).loss.backward()
+    params = sum(p.numel() for p in ref.parameters())
+    pairs: list[dict[str, float]] = []
+    with tiermem.tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), **ADAMW),
+                                **spec["tiermem"]) as tm:
+        opt = tm.optimizer
+        assert opt is not None
+        model(ids, labels=ids).loss.backward()
+        for i in range(spec["update_warmup"] + spec["update_reps"]):
+            times = {}
+            for name, step in (("tiermem", opt.step), ("adamw", ref_opt.step))[:: 1 if i % 2 else -1]:
+                t0 = time.perf_counter()
+                step()
+                times[name] = time.perf_counter() - t0
+            if i >= spec["update_warmup"]:
+                pairs.append(times)
+    # the same arithmetic on the same data: tiermem's exit put its parameters back into the model
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+    return {"parameters": params, "pairs": pairs, "parameters_equal": same,
+            "steps_each": spec["update_warmup"] + spec["update_reps"]}
+
+
 # -- subprocesses -------------------------------------------------------------------------------------
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
-    env.update(BY_KEY[spec["variant"]].env)
+    env.update(BY_KEY[spec["variant"]].env if spec["variant"] in BY_KEY else ())
     if "LD_PRELOAD" in env and not env["LD_PRELOAD"]:
         raise RuntimeError("libjemalloc.so.2 is not installed; apt-get install libjemalloc2 (bench/setup-peers.sh)")
     if spec["variant"] == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                    WORLD_SIZE="1", LOCAL_RANK="0")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "_variant", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), spec.get("worker", "_variant"), json.dumps(spec)],
                           capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, env=env)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
@@ -365,12 +400,12 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     raise RuntimeError(f"worker exited {proc.returncode} without a result:\n{tail}")
 
 
-def worker_main(arg: str) -> int:
+def worker_main(arg: str, work: Any) -> int:
     import traceback
 
     spec = json.loads(arg)
     try:
-        out = variant_worker(spec)
+        out = work(spec)
     except Exception as exc:  # reported to the parent with its traceback
         out = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     print(RESULT_TAG + json.dumps(out), flush=True)
@@ -390,6 +425,23 @@ def engine_bandwidth(path: str, size: str) -> dict[str, Any]:
                           "block_size": r["block_size"], "queue_depth": r["queue_depth"], "direct": r["direct"]}
     if "read" not in out or "write" not in out:
         raise RuntimeError("tiermem bench io did not report both read and write")
+    return out
+
+
+def run_update(base: dict[str, Any], tiers: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The update benchmark's process (update_worker), after waiting for quiet CPUs."""
+    if args.quiet_wait > 0:
+        wait_for_quiet(args.quiet_wait, args.quiet_cores)
+    spec = {**base, "variant": "update", "worker": "_update", "tiermem": tiers,
+            "update_warmup": args.update_warmup, "update_reps": args.update_reps}
+    try:
+        out = run_worker(spec)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"update benchmark FAILED: {exc}", file=sys.stderr, flush=True)
+        return {"error": str(exc)}
+    turns = [p["adamw"] / p["tiermem"] for p in out["pairs"]]
+    print("update alone, AdamW time / tiermem time per turn: " + " ".join(f"{r:.2f}" for r in turns),
+          file=sys.stderr, flush=True)
     return out
 
 
@@ -521,15 +573,30 @@ def paired(runs: list[dict[str, Any]], a: str, b: str, of: str = "seconds") -> d
     return {"mean": m, "std": s, "rounds": len(ratios)}
 
 
+def update_summary(out: dict[str, Any]) -> dict[str, Any]:
+    """Medians of the update benchmark's turns; ratio = tiermem's parameters/s over AdamW's."""
+    tm = [p["tiermem"] for p in out["pairs"]]
+    aw = [p["adamw"] for p in out["pairs"]]
+    turns = [p["adamw"] / p["tiermem"] for p in out["pairs"]]
+    n = out["parameters"]
+    return {"turns": len(tm), "tiermem_seconds_median": statistics.median(tm),
+            "adamw_seconds_median": statistics.median(aw),
+            "tiermem_parameters_per_second": n / statistics.median(tm),
+            "adamw_parameters_per_second": n / statistics.median(aw),
+            "ratio": statistics.median(aw) / statistics.median(tm), "turn_ratio_median": statistics.median(turns),
+            "turn_ratio_min": min(turns), "turn_ratio_max": max(turns), "parameters_equal": out["parameters_equal"],
+            "steps_each": out["steps_each"]}
+
+
 def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[str, Any] | None,
-          host_budget: int, losses: list[dict[str, Any]]) -> dict[str, Any]:
+          host_budget: int, losses: list[dict[str, Any]], update: dict[str, Any] | None) -> dict[str, Any]:
     by = {s["variant"]: s for s in summary if "seconds_mean" in s}
     a, b, d = (by.get(k) for k in ("plain", "tiermem_cpu", "deepspeed"))
     out: dict[str, Any] = {
         "io_goal": f"(c) s/step <= {IO_GOAL} x max((a), bytes moved per step / engine bandwidth)",
         "ds_goal": f"(c) s/step <= {DS_GOAL} x (d)",
         "rss_goal": f"(c) peak RSS <= host budget + {RSS_SLACK // 10**6} MB",
-        "optimizer_goal": f"(b) tm.optimizer.step() parameters/s >= {OPTIMIZER_GOAL} x torch.optim.AdamW.step()",
+        "optimizer_goal": f"(b) tm.optimizer.step() parameters/s >= {OPTIMIZER_GOAL} x torch.optim.AdamW.step()'s",
         "losses_goal": "(b) and (c) losses bit-identical to (a) at every step",
     }
     for key, suffix in GOAL_VARIANTS:
@@ -554,9 +621,16 @@ def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[st
             out["rss" + suffix] = {"held": c["peak_rss_bytes_max"] <= limit,
                                    "peak_rss_bytes_max": c["peak_rss_bytes_max"],
                                    "steps_peak_rss_bytes_max": c["steps_peak_rss_bytes_max"], "limit_bytes": limit}
+    if update is not None:
+        out["optimizer"] = {"held": update["ratio"] >= OPTIMIZER_GOAL, "measured": "update",
+                            "tiermem_parameters_per_second": update["tiermem_parameters_per_second"],
+                            "adamw_parameters_per_second": update["adamw_parameters_per_second"],
+                            "ratio": update["ratio"], "paired": None}
     if a and b:
         mine, theirs = b["optimizer_parameters_per_second"], a["optimizer_parameters_per_second"]
-        out["optimizer"] = {"held": mine >= OPTIMIZER_GOAL * theirs, "tiermem_parameters_per_second": mine,
+        out["optimizer" if update is None else "optimizer_in_loop"] = {
+                            "held": mine >= OPTIMIZER_GOAL * theirs, "measured": "in the training loop",
+                            "tiermem_parameters_per_second": mine,
                             "adamw_parameters_per_second": theirs, "ratio": mine / theirs,
                             "paired": paired(runs, "plain", "tiermem_cpu", of="optimizer_seconds")}
     tm = [x for x in losses if x["variant"] != "deepspeed"]
@@ -640,13 +714,14 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
             print(f"  {name} {verdict['rss_goal'][4:]}: {'held' if g['held'] else 'NOT held'} "
                   f"(peak {_gb(g['peak_rss_bytes_max'])} GB, steps alone {_gb(g['steps_peak_rss_bytes_max'])} GB, "
                   f"vs limit {_gb(g['limit_bytes'])} GB = {format_size(host_budget)} + {RSS_SLACK // 10**6} MB)")
-    g = verdict.get("optimizer")
-    if g:
-        pv = g["paired"]
-        print(f"  {verdict['optimizer_goal']}: {'held' if g['held'] else 'NOT held'} "
-              f"({g['tiermem_parameters_per_second'] / 1e6:.0f}M vs {g['adamw_parameters_per_second'] / 1e6:.0f}M "
-              f"parameters/s, ratio {g['ratio']:.2f}" + (f", paired per round {pv['mean']:.2f} ± {pv['std']:.2f}"
-                                                         if pv else "") + ")")
+    for key in ("optimizer", "optimizer_in_loop"):
+        g = verdict.get(key)
+        if g:
+            pv = g["paired"]
+            print(f"  {verdict['optimizer_goal']}, {g['measured']}: {'held' if g['held'] else 'NOT held'} "
+                  f"({g['tiermem_parameters_per_second'] / 1e6:.0f}M vs {g['adamw_parameters_per_second'] / 1e6:.0f}M "
+                  f"parameters/s, ratio {g['ratio']:.2f}" + (f", paired per round {pv['mean']:.2f} ± {pv['std']:.2f}"
+                                                             if pv else "") + ")")
     g = verdict["losses"]
     print(f"  {verdict['losses_goal']}: {'held' if g['held'] else 'NOT held'} ({g['compared']} processes compared)")
 
@@ -664,12 +739,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "process (default 4)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per process (default 3)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per process (default 6)")
-    p.add_argument("--host-budget", default="544MiB", help="memory.host_budget of (c) and its kin (default 544MiB: "
-                   "512 MiB for partitions and, in (c''), 32 MiB for activations)")
+    p.add_argument("--host-budget", default="544MiB", help="memory.host_budget of (c) and its kin (default 544MiB; "
+                   "in (c'') --activations-buffer of it holds activations, the rest partitions)")
     p.add_argument("--cpu-host-budget", default="2GiB", help="(b)'s memory.host_budget; it must hold the whole "
                    "training state (default 2GiB)")
-    p.add_argument("--activations-buffer", default="32MiB",
-                   help="activations.buffer of (c''), part of its host budget (default 32MiB)")
+    p.add_argument("--activations-buffer", default="64MiB",
+                   help="activations.buffer of (c''), part of its host budget (default 64MiB)")
     p.add_argument("--grads-tier", default="cpu", choices=("cpu", "nvme"), help="(c)'s grads.tier (default cpu)")
     p.add_argument("--swap-dir", default=os.path.join(DEFAULT_DIR, "swap"),
                    help="folder for tiermem's and DeepSpeed's swap files and the bandwidth test")
@@ -683,6 +758,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(v.key for v in VARIANTS if v.default),
                    help="comma-separated subset of: " + ", ".join(v.key for v in VARIANTS)
                    + " (default: all but tiermem_act_mmap)")
+    p.add_argument("--update-reps", type=int, default=20,
+                   help="timed turns of the update benchmark: (b)'s tm.optimizer.step() and torch.optim.AdamW.step() "
+                        "on the same data, in one process (default 20; 0: skip it)")
+    p.add_argument("--update-warmup", type=int, default=3, help="untimed turns before those (default 3)")
     p.add_argument("--json", metavar="OUT.json", default=None, help="also write every figure to this file")
     args = p.parse_args(argv)
     if args.heads is None:
@@ -716,7 +795,9 @@ def model_info(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_variant"]:
-        return worker_main(argv[1])
+        return worker_main(argv[1], variant_worker)
+    if argv[:1] == ["_update"]:
+        return worker_main(argv[1], update_worker)
     args = parse_args(argv)
     t_start = time.perf_counter()
     tm_swap = os.path.join(args.swap_dir, "tiermem")
@@ -758,6 +839,7 @@ def main(argv: list[str]) -> int:
     tiers["tiermem_act_mmap"] = tiers["tiermem_act_jemalloc"] = tiers["tiermem_act"]
     variants = [BY_KEY[k] for k in args.variants.split(",")]
     runs: list[dict[str, Any]] = []
+    update_run: dict[str, Any] | None = None
     disturbed: list[dict[str, Any]] = []  # processes run again because others took CPU during their steps
     bandwidth: list[dict[str, Any]] = []
     t_measure = time.perf_counter()
@@ -794,6 +876,8 @@ def main(argv: list[str]) -> int:
                         break
                     disturbed.append(out)
                 runs.append(out)
+        if args.update_reps > 0:
+            update_run = run_update(base, tiers["tiermem_cpu"], args)
         measure_s = time.perf_counter() - t_measure
     finally:
         shutil.rmtree(io_dir, ignore_errors=True)
@@ -809,8 +893,16 @@ def main(argv: list[str]) -> int:
                       "samples": len(reads), "size": args.io_size, "command": ok_bw[0]["command"]}
     summary = summarize(runs, variants)
     losses = check_losses(runs)
-    verdict = goals(summary, runs, bw_summary, args.host_budget_bytes, losses)
+    update = update_summary(update_run) if update_run and "error" not in update_run else None
+    verdict = goals(summary, runs, bw_summary, args.host_budget_bytes, losses, update)
     print_tables(summary, verdict, bw_summary, losses, args.host_budget_bytes)
+    if update:
+        print(f"\nthe update alone ({update['turns']} turns in one process, after {args.update_warmup} untimed): "
+              f"(b) tm.optimizer.step() {update['tiermem_seconds_median'] * 1e3:.1f} ms, torch.optim.AdamW.step() "
+              f"{update['adamw_seconds_median'] * 1e3:.1f} ms (medians); per-turn ratio "
+              f"{update['turn_ratio_median']:.2f} [{update['turn_ratio_min']:.2f}, {update['turn_ratio_max']:.2f}]; "
+              f"parameters bit-identical after "
+              f"{update['steps_each']} steps each: {'yes' if update['parameters_equal'] else 'NO'}")
     system["loadavg_end"] = os.getloadavg()
     wall_s = time.perf_counter() - t_start
     if disturbed:
@@ -839,6 +931,7 @@ def main(argv: list[str]) -> int:
             "summary": summary,
             "goals": verdict,
             "losses": losses,
+            "update": {"summary": update, "run": update_run},
             "runs": runs,
             "disturbed_runs": disturbed,
             "measure_seconds": measure_s,
