@@ -440,7 +440,7 @@ def run_update(base: dict[str, Any], tiers: dict[str, Any], args: argparse.Names
         print(f"update benchmark FAILED: {exc}", file=sys.stderr, flush=True)
         return {"error": str(exc)}
     turns = [p["adamw"] / p["tiermem"] for p in out["pairs"]]
-    print("update alone, AdamW time / tiermem time per turn: " + " ".join(f"{r:.2f}" for r in turns),
+    print("update alone, AdamW's time / tiermem's per turn: " + " ".join(f"{r:.2f}" for r in turns),
           file=sys.stderr, flush=True)
     return out
 
@@ -573,19 +573,25 @@ def paired(runs: list[dict[str, Any]], a: str, b: str, of: str = "seconds") -> d
     return {"mean": m, "std": s, "rounds": len(ratios)}
 
 
-def update_summary(out: dict[str, Any]) -> dict[str, Any]:
-    """Medians of the update benchmark's turns; ratio = tiermem's parameters/s over AdamW's."""
-    tm = [p["tiermem"] for p in out["pairs"]]
-    aw = [p["adamw"] for p in out["pairs"]]
-    turns = [p["adamw"] / p["tiermem"] for p in out["pairs"]]
-    n = out["parameters"]
-    return {"turns": len(tm), "tiermem_seconds_median": statistics.median(tm),
+def update_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over every turn of the update benchmark's processes; ratio = tiermem's parameters/s over
+    AdamW's. Empty when no process succeeded."""
+    pairs = [p for r in runs for p in r["pairs"]]
+    if not pairs:
+        return {}
+    tm = [p["tiermem"] for p in pairs]
+    aw = [p["adamw"] for p in pairs]
+    turns = [p["adamw"] / p["tiermem"] for p in pairs]
+    n = runs[0]["parameters"]
+    return {"processes": len(runs), "turns": len(tm), "tiermem_seconds_median": statistics.median(tm),
             "adamw_seconds_median": statistics.median(aw),
             "tiermem_parameters_per_second": n / statistics.median(tm),
             "adamw_parameters_per_second": n / statistics.median(aw),
             "ratio": statistics.median(aw) / statistics.median(tm), "turn_ratio_median": statistics.median(turns),
-            "turn_ratio_min": min(turns), "turn_ratio_max": max(turns), "parameters_equal": out["parameters_equal"],
-            "steps_each": out["steps_each"]}
+            "turn_ratio_min": min(turns), "turn_ratio_max": max(turns),
+            "process_ratios": [statistics.median(p["adamw"] for p in r["pairs"])
+                               / statistics.median(p["tiermem"] for p in r["pairs"]) for r in runs],
+            "parameters_equal": all(r["parameters_equal"] for r in runs), "steps_each": runs[0]["steps_each"]}
 
 
 def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[str, Any] | None,
@@ -839,7 +845,7 @@ def main(argv: list[str]) -> int:
     tiers["tiermem_act_mmap"] = tiers["tiermem_act_jemalloc"] = tiers["tiermem_act"]
     variants = [BY_KEY[k] for k in args.variants.split(",")]
     runs: list[dict[str, Any]] = []
-    update_run: dict[str, Any] | None = None
+    update_runs: list[dict[str, Any]] = []  # one process of the update benchmark per round
     disturbed: list[dict[str, Any]] = []  # processes run again because others took CPU during their steps
     bandwidth: list[dict[str, Any]] = []
     t_measure = time.perf_counter()
@@ -876,8 +882,8 @@ def main(argv: list[str]) -> int:
                         break
                     disturbed.append(out)
                 runs.append(out)
-        if args.update_reps > 0:
-            update_run = run_update(base, tiers["tiermem_cpu"], args)
+            if args.update_reps > 0:
+                update_runs.append({"round": rnd, **run_update(base, tiers["tiermem_cpu"], args)})
         measure_s = time.perf_counter() - t_measure
     finally:
         shutil.rmtree(io_dir, ignore_errors=True)
@@ -893,14 +899,16 @@ def main(argv: list[str]) -> int:
                       "samples": len(reads), "size": args.io_size, "command": ok_bw[0]["command"]}
     summary = summarize(runs, variants)
     losses = check_losses(runs)
-    update = update_summary(update_run) if update_run and "error" not in update_run else None
+    update = update_summary([r for r in update_runs if "error" not in r]) or None
     verdict = goals(summary, runs, bw_summary, args.host_budget_bytes, losses, update)
     print_tables(summary, verdict, bw_summary, losses, args.host_budget_bytes)
     if update:
-        print(f"\nthe update alone ({update['turns']} turns in one process, after {args.update_warmup} untimed): "
+        print(f"\nthe update alone ({update['turns']} turns in {update['processes']} processes, one a round, after "
+              f"{args.update_warmup} untimed each): "
               f"(b) tm.optimizer.step() {update['tiermem_seconds_median'] * 1e3:.1f} ms, torch.optim.AdamW.step() "
               f"{update['adamw_seconds_median'] * 1e3:.1f} ms (medians); per-turn ratio "
-              f"{update['turn_ratio_median']:.2f} [{update['turn_ratio_min']:.2f}, {update['turn_ratio_max']:.2f}]; "
+              f"{update['turn_ratio_median']:.2f} [{update['turn_ratio_min']:.2f}, {update['turn_ratio_max']:.2f}], "
+              f"per process " + ", ".join(f"{r:.2f}" for r in update["process_ratios"]) + "; "
               f"parameters bit-identical after "
               f"{update['steps_each']} steps each: {'yes' if update['parameters_equal'] else 'NO'}")
     system["loadavg_end"] = os.getloadavg()
@@ -931,7 +939,7 @@ def main(argv: list[str]) -> int:
             "summary": summary,
             "goals": verdict,
             "losses": losses,
-            "update": {"summary": update, "run": update_run},
+            "update": {"summary": update, "runs": update_runs},
             "runs": runs,
             "disturbed_runs": disturbed,
             "measure_seconds": measure_s,
