@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -335,3 +336,18 @@ def test_overlap_backward_gives_gradient_memory_back(tmp_path) -> None:
             held = [st.grads.host is not None for st in tm.optimizer.units]
             assert held and (not any(held) if overlap else all(held))
             tm.optimizer.step()
+
+
+def test_a_kept_key_value_cache_is_named_when_training(tmp_path, caplog) -> None:
+    """A transformers model whose config keeps its key/value cache holds every layer's keys and values
+    through forward; training under tiered_offload says so and names the setting, and says nothing once
+    it is off."""
+    model = models.gpt2(layers=1, width=32, vocab=100).train()
+    for use_cache, expected in ((True, 1), (False, 0)):
+        model.config.use_cache = use_cache
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tiermem.offload"):
+            with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters()), **cfg(tmp_path)):
+                pass
+        named = [r for r in caplog.records if "model.config.use_cache = False" in r.getMessage()]
+        assert len(named) == expected, (use_cache, [r.getMessage() for r in caplog.records])

@@ -89,7 +89,7 @@ def run_training(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=args.train_layers, n_embd=args.train_width, n_head=max(1, args.train_width // 64),
                      vocab_size=8192, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=0, eos_token_id=0)
+                     bos_token_id=0, eos_token_id=0, use_cache=False)
     model = GPT2LMHeadModel(cfg).train()
     n_params = sum(p.numel() for p in model.parameters())
     state_bytes = n_params * 16  # fp32 weights, gradients and two Adam moments

@@ -193,6 +193,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             patched = _delegate(optimizer, handle.optimizer)
         runtime.register_hooks()
         handle.reset_stats()
+        if optimizer is not None and getattr(getattr(model, "config", None), "use_cache", None) is True:
+            log.warning("%s.config.use_cache is True: its forward keeps every layer's keys and values until it "
+                        "returns, for a cache that training never reads; set model.config.use_cache = False to "
+                        "train in less memory", type(model).__name__)
         log.info("tiered_offload: %d units on %s, params.tier=%s", len(runtime.units), swapper.device,
                  swapper.config.params.tier)
         yield handle
