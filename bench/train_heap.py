@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Where (c'')'s resident memory goes: glibc's heap against the bytes in use, block by block.
 
-Builds bench/train_offload.py's GPT-2 with variant (c'')'s settings (nvme tiers, optimizer.overlap_backward,
-activations.tier nvme, 544 MiB host budget, 32 MiB activation buffer), runs --steps training steps, and prints
-after every transformer block's forward, and after each forward and backward: VmRSS, glibc's heap size
+Builds bench/train_offload.py's GPT-2 (use_cache=False) with variant (c'')'s settings (nvme tiers,
+optimizer.overlap_backward, activations.tier nvme, 544 MiB host budget, 64 MiB activation buffer), runs --steps
+training steps, and prints after every transformer block's forward, and after each forward and backward: VmRSS,
+glibc's heap size
 (mallinfo2 arena: every byte the heap holds, in use or free) and the bytes in use (uordblks). Memory that
 mmap serves on its own (large allocations) is in neither heap figure.
 
@@ -49,7 +50,8 @@ def main(argv: list[str]) -> int:
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, n_positions=128, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                     use_cache=False)
     model = GPT2LMHeadModel(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     for i, block in enumerate(model.transformer.h):
@@ -58,7 +60,7 @@ def main(argv: list[str]) -> int:
     overrides: dict[str, Any] = {
         "device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme", "grads.tier": "cpu",
         "memory.host_budget": "544MiB", "nvme.paths": [args.swap_dir], "io.engine": "io_uring",
-        "optimizer.overlap_backward": True, "activations.tier": "nvme", "activations.buffer": "32MiB"}
+        "optimizer.overlap_backward": True, "activations.tier": "nvme", "activations.buffer": "64MiB"}
     gen = torch.Generator().manual_seed(1234)
     try:
         with tiermem.tiered_offload(model, optimizer=opt, **overrides) as tm:
