@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import pathlib
 import weakref
 from contextlib import nullcontext
 from typing import Any
@@ -240,3 +241,19 @@ def test_leaving_with_a_graph_alive(tmp_path) -> None:
     del out
     gc.collect()
     assert not list((tmp_path / "swap").glob("tiermem-*"))  # the swap files went with the context
+
+
+def test_the_shipped_low_memory_training_config_trains_gpt2_like_pytorch(tmp_path) -> None:
+    """configs/train-lowmem.yaml (overlap_backward, activations on NVMe), scaled down to a small model, trains
+    GPT-2 bit-exactly, updating during backward and reading activations back."""
+    pytest.importorskip("transformers")
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "train-lowmem.yaml"
+
+    def overlapped_and_read_back(tm: Any) -> None:
+        assert tm.swapper.config.optimizer.overlap_backward and tm.optimizer.overlap
+        assert tm.stats()["activations_bytes_read"] > 0
+
+    small = {"nvme.paths": [str(tmp_path / "swap")], "memory.host_budget": "12MiB", "activations.buffer": "128KiB",
+             "activations.min_bytes": "4KiB", "wrap.min_unit_bytes": 0}
+    models.gpt2_training_matches({"config": str(path), **small}, width=64, vocab=300, shape=(4, 32), steps=5,
+                                 check=overlapped_and_read_back)
