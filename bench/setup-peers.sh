@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the peers that bench/io_vs_peers.py compares tiermem with: fio, libaio (for DeepSpeed's
-# aio op) and DeepSpeed itself, and jemalloc for bench/train_offload.py's allocator variants.
+# aio op) and DeepSpeed itself, and jemalloc and mimalloc for bench/train_offload.py's allocator variants.
 # Benchmark-only; tiermem does not depend on any of them.
 # Usage: bash bench/setup-peers.sh   (as root, or with sudo available for apt-get)
 set -euo pipefail
@@ -10,7 +10,7 @@ python="${PYTHON:-python3}"
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
 $sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libaio-dev fio libjemalloc2
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libaio-dev fio libjemalloc2 libmimalloc2.0
 
 # DeepSpeed asks for torch>=2; pin whatever torch is installed so pip keeps it (a CPU build must not be
 # swapped for another wheel). The pin is added to any constraint file pip is already configured with.

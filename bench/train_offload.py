@@ -23,6 +23,8 @@ seed, in host memory, and sees the same batches in the same order. Variants:
                         and unmaps it on free, so RSS follows the memory in use instead of glibc's heap
   (a/je), (c''/je)      (a) and (c'') with jemalloc as the process's malloc (LD_PRELOAD=libjemalloc.so.2, from
                         Debian's libjemalloc2; MALLOC_CONF=background_thread:true), only when named in --variants
+  (a/mi), (c''/mi)      the same with mimalloc (LD_PRELOAD=libmimalloc.so.2, from Debian's libmimalloc2.0, its
+                        defaults), only when named in --variants
   (d) DeepSpeed ZeRO-3  deepspeed.initialize with zero_optimization stage 3, offload_param and
                         offload_optimizer on NVMe (--swap-dir/deepspeed), its own AdamW (DeepSpeedCPUAdam),
                         DS_ACCELERATOR=cpu, gloo, one process; offload_param.buffer_count = the number of
@@ -108,17 +110,21 @@ OPTIMIZER_GOAL = 0.9  # (b) tm.optimizer.step() parameters/s >= this x torch.opt
 MIN_STATE_TO_BUDGET = 2  # the training state should be at least this x the host budget of (c)
 
 
-def _find_jemalloc() -> str:
+def _find_lib(name: str) -> str:
     for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
-        path = os.path.join(d, "libjemalloc.so.2")
+        path = os.path.join(d, name)
         if os.path.exists(path):
             return path
     return ""
 
 
-JEMALLOC = _find_jemalloc()  # empty when not installed (apt-get install libjemalloc2; bench/setup-peers.sh does)
+# malloc replacements for the allocator variants; empty when not installed (bench/setup-peers.sh installs both)
+ALLOCATOR_PACKAGES = {"libjemalloc.so.2": "libjemalloc2", "libmimalloc.so.2": "libmimalloc2.0"}
+JEMALLOC = _find_lib("libjemalloc.so.2")
 # purging freed pages from a background thread instead of inline: 7-9% faster steps for (c'') here, same peak
-JEMALLOC_ENV = (("LD_PRELOAD", JEMALLOC), ("MALLOC_CONF", "background_thread:true"))
+JEMALLOC_ENV = (("LD_PRELOAD", JEMALLOC or "libjemalloc.so.2"), ("MALLOC_CONF", "background_thread:true"))
+MIMALLOC = _find_lib("libmimalloc.so.2")
+MIMALLOC_ENV = (("LD_PRELOAD", MIMALLOC or "libmimalloc.so.2"),)
 
 
 @dataclass(frozen=True)
@@ -145,11 +151,16 @@ VARIANTS = (
     # jemalloc instead of glibc's malloc (LD_PRELOAD), for (a) and (c''): not run by default either
     Variant("plain_jemalloc", "(a/je) (a) under jemalloc", "plain", env=JEMALLOC_ENV, default=False),
     Variant("tiermem_act_jemalloc", "(c''/je) (c'') under jemalloc", "tiermem", env=JEMALLOC_ENV, default=False),
+    # and mimalloc
+    Variant("plain_mimalloc", "(a/mi) (a) under mimalloc", "plain", env=MIMALLOC_ENV, default=False),
+    Variant("tiermem_act_mimalloc", "(c''/mi) (c'') under mimalloc", "tiermem", env=MIMALLOC_ENV, default=False),
     Variant("deepspeed", "(d) DeepSpeed ZeRO-3 NVMe", "deepspeed"),
 )
 BY_KEY = {v.key: v for v in VARIANTS}
 GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_overlap", "_overlap"), ("tiermem_act", "_act"),
-                 ("tiermem_act_mmap", "_act_mmap"), ("tiermem_act_jemalloc", "_act_jemalloc"))  # (c) and its kin
+                 ("tiermem_act_mmap", "_act_mmap"), ("tiermem_act_jemalloc", "_act_jemalloc"),
+                 ("tiermem_act_mimalloc", "_act_mimalloc"))  # (c) and its kin
+OWN_PLAIN = {"tiermem_act_jemalloc": "plain_jemalloc", "tiermem_act_mimalloc": "plain_mimalloc"}  # same allocator
 
 
 # -- helpers used on both sides ---------------------------------------------------------------------
@@ -390,8 +401,9 @@ def update_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
     env.update(BY_KEY[spec["variant"]].env if spec["variant"] in BY_KEY else ())
-    if "LD_PRELOAD" in env and not env["LD_PRELOAD"]:
-        raise RuntimeError("libjemalloc.so.2 is not installed; apt-get install libjemalloc2 (bench/setup-peers.sh)")
+    lib = env.get("LD_PRELOAD", "")
+    if lib in ALLOCATOR_PACKAGES:  # _find_lib found no such file
+        raise RuntimeError(f"{lib} is not installed; apt-get install {ALLOCATOR_PACKAGES[lib]} (bench/setup-peers.sh)")
     if spec["variant"] == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                    WORLD_SIZE="1", LOCAL_RANK="0")
@@ -614,9 +626,9 @@ def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[st
     }
     for key, suffix in GOAL_VARIANTS:
         c = by.get(key)
-        for base, tail in (("plain", ""), ("plain_jemalloc", "_vs_plain_jemalloc")):
+        for base, tail in [("plain", "")] + ([(OWN_PLAIN[key], "_vs_" + OWN_PLAIN[key])] if key in OWN_PLAIN else []):
             a_ = by.get(base)
-            if c and a_ and bw and (not tail or key == "tiermem_act_jemalloc"):
+            if c and a_ and bw:
                 io_s = (c["bytes_read_mean"] / (bw["read_gbps"] * GB)
                         + c["bytes_written_mean"] / (bw["write_gbps"] * GB))
                 limit = IO_GOAL * max(a_["seconds_mean"], io_s)
@@ -710,7 +722,7 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
     print("goals:")
     for key, suffix in GOAL_VARIANTS:
         name = BY_KEY[key].label.split(" ", 1)[0]
-        for tail in ("", "_vs_plain_jemalloc"):
+        for tail in ("", "_vs_" + OWN_PLAIN.get(key, "")):
             g = verdict.get("io_bound" + suffix + tail)
             if g:
                 pv = g["paired_vs_plain"]
@@ -772,7 +784,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "took --quiet-cores or more during its timed steps (default 2; the last attempt is kept)")
     p.add_argument("--variants", default=",".join(v.key for v in VARIANTS if v.default),
                    help="comma-separated subset of: " + ", ".join(v.key for v in VARIANTS)
-                   + " (default: all but tiermem_act_mmap)")
+                   + " (default: " + ",".join(v.key for v in VARIANTS if v.default) + ")")
     p.add_argument("--update-reps", type=int, default=20,
                    help="timed turns of the update benchmark: (b)'s tm.optimizer.step() and torch.optim.AdamW.step() "
                         "on the same data, in one process (default 20; 0: skip it)")
@@ -851,7 +863,8 @@ def main(argv: list[str]) -> int:
     tiers["tiermem_overlap"] = {**tiers["tiermem_nvme"], "optimizer.overlap_backward": True}
     tiers["tiermem_act"] = {**tiers["tiermem_overlap"], "activations.tier": "nvme",
                             "activations.buffer": args.activations_buffer}
-    tiers["tiermem_act_mmap"] = tiers["tiermem_act_jemalloc"] = tiers["tiermem_act"]
+    for key in ("tiermem_act_mmap", "tiermem_act_jemalloc", "tiermem_act_mimalloc"):
+        tiers[key] = tiers["tiermem_act"]
     variants = [BY_KEY[k] for k in args.variants.split(",")]
     runs: list[dict[str, Any]] = []
     update_runs: list[dict[str, Any]] = []  # one process of the update benchmark per round
