@@ -89,7 +89,11 @@ class OffloadHandle:
         ``prefetch_misses``, ``schedule_misses`` (acquisitions that were not the unit the recorded order
         predicted), ``retraces`` (times the execution order was recorded again), ``passes``
         (top-level forwards), ``units`` (how many), ``largest_unit_bytes`` and ``resident_bytes`` (units kept in
-        host memory between passes, see ``prefetch.keep_resident``).
+        host memory between passes, see ``prefetch.keep_resident``). With ``activations.tier: nvme`` also
+        ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_stall_seconds``,
+        ``activations_peak_host_bytes``, ``activations_bytes_written`` and ``activations_bytes_read``; those
+        bytes are included in ``bytes_read``/``bytes_written``, and the activation buffer's peak and current
+        use are added to the ``host`` entries (so ``peak_bytes['host']`` is at most the host budget).
         """
         s = self.swapper.stats()
         rt = self.runtime
