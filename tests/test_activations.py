@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import pathlib
+import threading
 import weakref
 from contextlib import nullcontext
 from typing import Any
@@ -16,6 +17,8 @@ from tests import models
 from tests.test_training import cfg as training_cfg
 from tiermem import ConfigError, tiered_offload
 from tiermem.errors import StoreError
+from tiermem.io.future import IOFuture
+from tiermem.store import SwapStore
 
 ACT = {"activations.tier": "nvme", "activations.min_bytes": "16KiB", "activations.buffer": "512KiB"}
 
@@ -77,6 +80,33 @@ def test_training_with_activations_on_nvme_equals_pytorch(tmp_path, extra: dict[
     else:
         assert st["activations_bytes_read"] > 0  # the buffer holds less than a step: backward read them back
     assert st["activations_peak_host_bytes"] <= (4 << 20 if extra.get("activations.buffer") else 512 << 10)
+
+
+def test_slow_writes_keep_backward_inside_the_buffer(tmp_path, monkeypatch) -> None:
+    """A slow disk: every write reports done 20 ms after the kernel finished it, its buffer pinned till then. The
+    writes still in flight when backward starts pin their slots, whether autograd still holds their records or
+    not; backward waits for them instead of reading outside activations.buffer."""
+    write = SwapStore.write
+
+    def slow_write(self: SwapStore, extent: Any, buf: Any, *args: Any, **kwargs: Any) -> IOFuture:
+        late = IOFuture(0, 1, keepalive=buf)
+        write(self, extent, buf, *args, **kwargs).add_done_callback(
+            lambda f: threading.Timer(0.02, late._chunk_done, (f.exception(),)).start())
+        return late
+
+    monkeypatch.setattr(SwapStore, "write", slow_write)
+    batches = data(4)
+    ref = wide()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), batches)
+    model = wide()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), **cfg(tmp_path)) as tm:
+        losses = train(model, tm.optimizer, batches)
+        st = tm.stats()
+    assert losses == ref_losses
+    assert_same(ref, model)
+    assert st["activations_bytes_read"] > 0
+    assert st["activations_kept_bytes"] == 0
+    assert st["activations_peak_host_bytes"] <= 512 << 10
 
 
 def test_gpt2_with_activations_on_nvme_equals_pytorch(tmp_path) -> None:

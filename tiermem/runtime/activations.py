@@ -18,8 +18,9 @@ drops the in-memory copies of the oldest written records, then waits for the old
 forward ends the newest activations are still in memory, and they are the ones backward wants first.
 
 Unpack rebuilds the tensor over the slot holding the record's bytes, reading it first if it is not in
-memory. Each unpack also reads ahead: records saved before this one (backward goes newest first) are
-read into free slots, up to half the buffer. A record's slot goes back to the buffer when autograd frees
+memory (into a slot: if none is free it waits for writes in flight, which pin their slots until done).
+Each unpack also reads ahead: records saved before this one (backward goes newest first) are read into
+free slots, up to half the buffer. A record's slot goes back to the buffer when autograd frees
 the last tensor built over it (the slot's owner rides on the numpy array under the tensor) and the record
 no longer holds it; its extent goes back to the swap store when autograd frees the last handle (the
 graph was run or dropped) and no write is in flight.
@@ -255,7 +256,9 @@ class ActivationStore:
         """Bring a written record back into a slot (or, waiting, into memory outside the buffer)."""
         if rec.error is not None or rec.extent is None:
             raise RuntimeError(f"a saved activation of {format_size(rec.nbytes)} was lost: {rec.error}")
-        buf = self._slot_for(rec.nbytes, waiting=False, below=None if waiting else rec.seq)
+        # backward needs these bytes now: waiting for a write in flight to free a slot keeps the buffer's
+        # bound; a read-ahead takes only what is free at once
+        buf = self._slot_for(rec.nbytes, waiting=waiting, below=None if waiting else rec.seq)
         if buf is None:
             if not waiting:
                 return False
@@ -309,7 +312,8 @@ class ActivationStore:
             if victim is not None:
                 self._uncache(victim)
                 continue
-            writing = next((r.writing for r in self._cached if r.writing is not None), None)
+            # a write in flight pins its slot, whether its record is cached or autograd let go of it
+            writing = next((r.writing for r in (*self._cached, *self._orphans) if r.writing is not None), None)
             if waiting and writing is not None:
                 try:
                     writing.wait()
