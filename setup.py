@@ -1,4 +1,5 @@
-"""Builds the optional io_uring core (csrc/) with cffi when liburing is installed; metadata is in pyproject.toml."""
+"""Builds the optional io_uring core (csrc/) with cffi when liburing is installed, and ships the CPU allocator's
+C++ source (built at run time against the installed torch: tiermem/memory.py); metadata is in pyproject.toml."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import tempfile
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 _PROBE = "#include <liburing.h>\nint main(void) { struct io_uring r; return io_uring_queue_init(2, &r, 0) > 0; }\n"
 
@@ -36,4 +38,15 @@ def liburing_usable() -> bool:
     return ok
 
 
-setup(cffi_modules=["tiermem/io/_build_uring.py:ffibuilder"] if liburing_usable() else [])
+class BuildPy(build_py):
+    """Copies csrc/tm_cpu_alloc.cpp into the package (tiermem/_csrc/), where an installed tiermem finds it."""
+
+    def run(self) -> None:
+        super().run()
+        target = os.path.join(self.build_lib, "tiermem", "_csrc")
+        os.makedirs(target, exist_ok=True)
+        shutil.copy2(os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "tm_cpu_alloc.cpp"), target)
+
+
+setup(cffi_modules=["tiermem/io/_build_uring.py:ffibuilder"] if liburing_usable() else [],
+      cmdclass={"build_py": BuildPy})

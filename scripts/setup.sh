@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what tiermem needs on a fresh Debian machine, idempotently:
-#   - Debian's liburing-dev (the io_uring core is built against it; without it tiermem uses threads),
+#   - Debian's liburing-dev (the io_uring core is built against it; without it tiermem uses threads) and g++
+#     (tiermem's CPU allocator is built with it at first use: memory.cpu_allocator in docs/config.md),
 #   - PyTorch, only when none is installed: the CPU build 2.13.0, so pip never pulls a multi-GB CUDA
 #     wheel here (a user's own torch, CUDA or not, is kept),
 #   - tiermem itself, editable, with its test tools (extras [dev]).
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 missing=()
-for pkg in liburing-dev "$@"; do
+for pkg in liburing-dev g++ "$@"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -158,7 +158,7 @@ def test_to_dict_writes_exact_human_sizes() -> None:
         }
     )
     out = cfg.to_dict()
-    assert out["memory"] == {"host_budget": "4GiB", "device_budget": "1GB"}
+    assert out["memory"] == {"host_budget": "4GiB", "device_budget": "1GB", "cpu_allocator": "auto"}
     assert out["wrap"]["min_unit_bytes"] == 1_000_001
     assert out["io"]["block_size"] == "48KiB"
     assert out["nvme"]["paths"] == ["/var/tmp/tiermem"]

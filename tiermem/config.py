@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 PARAM_TIERS = ("device", "cpu", "nvme")
 STATE_TIERS = ("cpu", "nvme")
 ACTIVATION_TIERS = ("memory", "nvme")
+CPU_ALLOCATORS = ("auto", "tiermem", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
 # Spellings people carry over from other tools; suggested, not accepted.
 _DTYPE_ALIASES = {
@@ -352,9 +353,16 @@ class MemoryConfig:
     device_budget: int | None = field(default=None, metadata=_BYTES)
     """Cap on the device working set in bytes; None derives it from the prefetch settings."""
 
+    cpu_allocator: str = "auto"
+    """PyTorch's CPU allocator inside the context: ``auto`` tiermem's, which keeps glibc's heap from
+    growing with holes that the compute's freed tensors leave (built at first use with the system's C++
+    compiler; PyTorch's, with a warning, when it cannot be built), ``tiermem`` the same but an error when
+    it cannot be built, ``torch`` PyTorch's own."""
+
     def __post_init__(self) -> None:
         self.host_budget = _size("memory.host_budget", self.host_budget, minimum=1)
         self.device_budget = _optional_size("memory.device_budget", self.device_budget, minimum=1)
+        self.cpu_allocator = _choice("memory.cpu_allocator", self.cpu_allocator, CPU_ALLOCATORS)
 
 
 @dataclass

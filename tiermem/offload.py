@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from tiermem.config import Config
 from tiermem.errors import BudgetError, TiermemError
 from tiermem.io.engine import IOEngine
-from tiermem.memory import trim
+from tiermem.memory import cpu_allocator, trim
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
 from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint
 from tiermem.runtime.runtime import Runtime
@@ -184,7 +184,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                            f"is {swapper.device}; set activations.tier: memory")
     handle: OffloadHandle | None = None
     patched: dict[str, Any] = {}
+    allocator = ExitStack()
     try:
+        # before the model is packed, so the compute's tensors from the first step on use it (tiermem/memory.py)
+        allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
         runtime = _pack(model, swapper, checkpoint, prefetch, optimizer)
         handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
         setattr(model, _ATTR, handle)
@@ -215,7 +218,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         finally:
             if handle is not None and getattr(model, _ATTR, None) is handle:
                 delattr(model, _ATTR)
-            swapper.close()
+            try:
+                swapper.close()
+            finally:
+                allocator.close()
 
 
 # -- entry ------------------------------------------------------------------------------------------
