@@ -18,6 +18,8 @@ seed, in host memory, and sees the same batches in the same order. Variants:
   (c') tiermem nvme     (c) with optimizer.overlap_backward: each unit is updated during backward
   (c'') tiermem nvme    (c') with activations.tier nvme and activations.buffer --activations-buffer (part of
                         the same host budget): saved activations go to swap in forward and come back for backward
+  (c''/pt) tiermem nvme (c'') with memory.cpu_allocator torch: PyTorch's own CPU allocator in place of
+                        tiermem's, which every other tiermem variant uses (the default, auto)
   (c''') tiermem nvme   (c'') with MALLOC_MMAP_THRESHOLD_=262144 in its environment (a diagnostic, only when
                         named in --variants): glibc then maps every allocation of 256 KiB or more on its own
                         and unmaps it on free, so RSS follows the memory in use instead of glibc's heap
@@ -144,6 +146,8 @@ VARIANTS = (
     Variant("tiermem_nvme", "(c) tiermem nvme tiers", "tiermem"),
     Variant("tiermem_overlap", "(c') (c) + optimizer.overlap_backward", "tiermem"),
     Variant("tiermem_act", "(c'') (c') + activations.tier nvme", "tiermem"),
+    # (c'') with PyTorch's own CPU allocator in place of tiermem's (memory.cpu_allocator: torch)
+    Variant("tiermem_act_torchalloc", "(c''/pt) (c'') + memory.cpu_allocator torch", "tiermem"),
     # a diagnostic, not run by default: glibc told to map every allocation of 256 KiB or more on its own and
     # unmap it on free, so that freed activation memory leaves the process instead of staying in its heap
     Variant("tiermem_act_mmap", "(c''') (c'') + MALLOC_MMAP_THRESHOLD_", "tiermem",
@@ -158,6 +162,7 @@ VARIANTS = (
 )
 BY_KEY = {v.key: v for v in VARIANTS}
 GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_overlap", "_overlap"), ("tiermem_act", "_act"),
+                 ("tiermem_act_torchalloc", "_act_torchalloc"),
                  ("tiermem_act_mmap", "_act_mmap"), ("tiermem_act_jemalloc", "_act_jemalloc"),
                  ("tiermem_act_mimalloc", "_act_mimalloc"))  # (c) and its kin
 OWN_PLAIN = {"tiermem_act_jemalloc": "plain_jemalloc", "tiermem_act_mimalloc": "plain_mimalloc"}  # same allocator
@@ -294,6 +299,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
         fwd = model
         out["units"] = len(tm.units)
         out["largest_unit_bytes"] = max(u.nbytes for u in tm.units)
+        out["cpu_allocator"] = "tiermem" if tiermem.memory.cpu_allocator_installed() else "torch"
     elif v.kind == "deepspeed":
         import deepspeed
 
@@ -865,6 +871,7 @@ def main(argv: list[str]) -> int:
                             "activations.buffer": args.activations_buffer}
     for key in ("tiermem_act_mmap", "tiermem_act_jemalloc", "tiermem_act_mimalloc"):
         tiers[key] = tiers["tiermem_act"]
+    tiers["tiermem_act_torchalloc"] = {**tiers["tiermem_act"], "memory.cpu_allocator": "torch"}
     variants = [BY_KEY[k] for k in args.variants.split(",")]
     runs: list[dict[str, Any]] = []
     update_runs: list[dict[str, Any]] = []  # one process of the update benchmark per round
