@@ -358,9 +358,8 @@ def test_a_raising_callback_does_not_stop_the_engine(engine: IOEngine, tmp_path,
             fut.add_done_callback(bad)
             fut.add_done_callback(lambda done: seen.append(done.nbytes))
             fut.wait()
-        for _ in range(50):  # the callbacks run on the engine's thread, possibly just after wait() returns
-            if len(seen) == 3:
-                break
+        deadline = time.monotonic() + 10  # the callbacks run on the engine's thread, maybe after wait() returns
+        while len(seen) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert seen == [1 << 20] * 3
         assert engine.read(f, buf.view).wait() == 1 << 20
@@ -372,6 +371,7 @@ def test_close_while_other_threads_queue_work(backend: str, tmp_path) -> None:
     error; nothing crashes or hangs."""
     eng = create_engine(backend, block_size=64 << 10, queue_depth=8)
     outcomes: list[str] = []
+    first = threading.Event()
     with IOFile(tmp_path / "c.bin", "rw") as f:
         bufs = [AlignedBuffer(256 << 10) for _ in range(4)]
 
@@ -380,6 +380,7 @@ def test_close_while_other_threads_queue_work(backend: str, tmp_path) -> None:
                 try:
                     eng.write(f, buf.view).wait(timeout=30)
                     outcomes.append("ok")
+                    first.set()
                 except (OSError, IOEngineError) as exc:
                     assert "closed" in str(exc)
                     outcomes.append("refused")
@@ -388,7 +389,7 @@ def test_close_while_other_threads_queue_work(backend: str, tmp_path) -> None:
         threads = [threading.Thread(target=worker, args=(b,)) for b in bufs]
         for t in threads:
             t.start()
-        time.sleep(0.05)
+        assert first.wait(timeout=60)  # close while the workers are mid-stream, not before they start
         eng.close()
         for t in threads:
             t.join(timeout=60)

@@ -315,7 +315,7 @@ def test_host_only_config_touches_no_disk(tmp_path) -> None:
     assert not (tmp_path / "never").exists()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)  # the same examples on every run: no flaky CI
 @given(st.lists(st.tuples(st.sampled_from(["acquire", "release", "prefetch", "evict", "dirty"]),
                           st.integers(0, 5)), max_size=40))
 def test_ledger_never_exceeds_budgets_under_random_use(tmp_path_factory, ops) -> None:

@@ -48,8 +48,12 @@ class ThreadEngine(IOEngine):
                 error = self._serve(chunk)
             except BaseException as exc:  # a worker must never die with a future left pending
                 error = exc
+            future = chunk.future
+            # not kept while this worker waits for more: the chunk's view pins the caller's buffer (an
+            # activation slot, say) until the next chunk comes, which may be never
+            del chunk
             try:
-                chunk.future._chunk_done(error)
+                future._chunk_done(error)
             except BaseException:  # noqa: BLE001 - nothing may end a worker; callbacks log their own errors
                 log.exception("completing an I/O future failed")
 

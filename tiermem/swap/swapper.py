@@ -127,9 +127,12 @@ class TensorSwapper:
         """Register the host pool with the engine this swapper made (fixed buffers), once."""
         with self._lock:
             self.defer_registration = False
-            if self._engine is not None and self._own_engine and not self._pool_registered:
-                self._pool_registered = True
-                self._engine.register_buffers(self.pool.regions)
+            if self._engine is None or not self._own_engine or self._pool_registered:
+                return
+            self._pool_registered = True
+            engine = self._engine
+        # not under the lock: the engine's thread may need it to finish a write first (_write_done)
+        engine.register_buffers(self.pool.regions)
 
     @property
     def store(self) -> SwapStore:
@@ -465,29 +468,34 @@ class TensorSwapper:
         part.state = Residency.WRITING
         part.free_after_write = free_after
         part.written_version = part.version
-        fut = self.store.write(part.extent, part.host.view, part.size)
-        part.pending = fut
-        fut.add_done_callback(lambda f: self._write_done(part, f, before))
-        return fut
+        raw = self.store.write(part.extent, part.host.view, part.size)
+        # what callers wait on completes after _write_done has recorded the write, not when the bytes land
+        done = IOFuture(raw.nbytes, 1)
+        part.pending = done
+        raw.add_done_callback(lambda f: self._write_done(part, f, before, done))
+        return done
 
-    def _write_done(self, part: Partition, fut: IOFuture, before: Residency) -> None:
-        with self._lock:
-            part.pending = None
-            error = fut.exception()
-            if error is not None:  # the host copy is still there and still dirty: nothing is lost
-                log.error("write-back of partition %r failed: %s", part.name, error)
-                part.state = before
+    def _write_done(self, part: Partition, fut: IOFuture, before: Residency, done: IOFuture) -> None:
+        error = fut.exception()
+        try:
+            with self._lock:
+                part.pending = None
+                if error is not None:  # the host copy is still there and still dirty: nothing is lost
+                    log.error("write-back of partition %r failed: %s", part.name, error)
+                    part.state = before
+                    self._drive(part)
+                    return
+                self.bytes_written += part.size
+                part.dirty = part.version != part.written_version  # changed while the write was in flight
+                if part.free_after_write and not part.waiters and not part.users and not part.dirty:
+                    self._free_host(part)
+                    part.state = Residency.NVME
+                    self.evictions += 1
+                else:
+                    part.state = before
                 self._drive(part)
-                return
-            self.bytes_written += part.size
-            part.dirty = part.version != part.written_version  # changed while the write was in flight
-            if part.free_after_write and not part.waiters and not part.users and not part.dirty:
-                self._free_host(part)
-                part.state = Residency.NVME
-                self.evictions += 1
-            else:
-                part.state = before
-            self._drive(part)
+        finally:
+            done._chunk_done(error)
 
     def _start_eviction(self, part: Partition) -> IOFuture:
         part.prefetched = False
