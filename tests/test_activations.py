@@ -56,8 +56,10 @@ def assert_same(a: nn.Module, b: nn.Module) -> None:
         assert torch.equal(p, q), name
 
 
-@pytest.mark.parametrize("extra", [{}, {"optimizer.overlap_backward": True}, {"activations.buffer": "4MiB"}],
-                         ids=["buffer-smaller-than-a-step", "overlap-backward", "buffer-holds-a-step"])
+@pytest.mark.parametrize("extra", [{}, {"optimizer.overlap_backward": True}, {"activations.buffer": "4MiB"},
+                                   {"io.engine": "threads"}],
+                         ids=["buffer-smaller-than-a-step", "overlap-backward", "buffer-holds-a-step",
+                              "threads-engine"])
 def test_training_with_activations_on_nvme_equals_pytorch(tmp_path, extra: dict[str, Any]) -> None:
     """10 AdamW steps: losses and weights bit-exact; the activations really went to disk and came back."""
     batches = data(10)
