@@ -33,7 +33,6 @@ constexpr std::size_t kHeader = 2 * sizeof(std::size_t);        // raw pointer a
 constexpr std::size_t kSlack = kHeader + kAlignment;            // the most malloc's 16-byte alignment can need
 
 std::atomic<std::size_t> g_live_bytes{0};   // bytes handed out and not yet freed
-std::atomic<std::size_t> g_live_blocks{0};
 
 void tm_delete(void* data) {
   if (data == nullptr) {
@@ -44,7 +43,6 @@ void tm_delete(void* data) {
   std::size_t nbytes = header[1];
   c10::profiledCPUMemoryReporter().Delete(data);
   g_live_bytes.fetch_sub(nbytes, std::memory_order_relaxed);
-  g_live_blocks.fetch_sub(1, std::memory_order_relaxed);
   std::free(raw);
 }
 
@@ -68,7 +66,6 @@ class TiermemCPUAllocator final : public c10::Allocator {
     header[0] = reinterpret_cast<std::size_t>(raw);
     header[1] = nbytes;
     g_live_bytes.fetch_add(nbytes, std::memory_order_relaxed);
-    g_live_blocks.fetch_add(1, std::memory_order_relaxed);
     c10::profiledCPUMemoryReporter().New(data, nbytes);
     return {data, data, &tm_delete, c10::Device(c10::DeviceType::CPU)};
   }
@@ -119,10 +116,6 @@ int tm_cpu_alloc_installed(void) {
 
 std::size_t tm_cpu_alloc_live_bytes(void) {
   return g_live_bytes.load(std::memory_order_relaxed);
-}
-
-std::size_t tm_cpu_alloc_live_blocks(void) {
-  return g_live_blocks.load(std::memory_order_relaxed);
 }
 
 }  // extern "C"

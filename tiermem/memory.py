@@ -39,6 +39,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tiermem.errors import TiermemError
 
@@ -51,17 +52,18 @@ class CPUAllocatorError(TiermemError):
     """tiermem's CPU allocator could not be built or put in place."""
 
 
-def _load_trim() -> object | None:
-    name = ctypes.util.find_library("c")
-    if not name:
+def _libc_function(name: str) -> Any:
+    """glibc's `name`, or None where there is no glibc (or no such function)."""
+    lib = ctypes.util.find_library("c")
+    if not lib:
         return None
     try:
-        return ctypes.CDLL(name).malloc_trim
+        return getattr(ctypes.CDLL(lib), name)
     except (OSError, AttributeError):
         return None
 
 
-_malloc_trim = _load_trim()
+_malloc_trim = _libc_function("malloc_trim")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 TRIM_THRESHOLD = 256 << 20
 MMAP_THRESHOLD = 32 << 20  # the most glibc's dynamic threshold reaches on 64-bit
@@ -77,11 +79,7 @@ def _tune_glibc() -> None:
     RSS (memory is given back after the peak, never before it). Setting it turns glibc's dynamic
     thresholds off, so the mmap threshold is fixed too, at the 32 MiB the dynamic one ends up at.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = _libc_function("mallopt")
     if mallopt is None:
         return
     for param, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
@@ -92,7 +90,7 @@ def _tune_glibc() -> None:
 def trim() -> None:
     """Return freed heap memory to the OS (glibc's malloc_trim(0))."""
     if _malloc_trim is not None:
-        _malloc_trim(0)  # type: ignore[operator]
+        _malloc_trim(0)
 
 
 # -- the CPU allocator --------------------------------------------------------------------------------
@@ -152,7 +150,11 @@ def build_cpu_allocator() -> Path:
     cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            f"-I{root / 'include'}", str(src), f"-L{root / 'lib'}", "-lc10", "-o", tmp]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise CPUAllocatorError(f"building {src.name} with {cxx} failed ({exc}); set memory.cpu_allocator: "
+                                    "torch to use PyTorch's own allocator") from exc
         if done.returncode != 0:
             raise CPUAllocatorError(f"building {src.name} against torch {torch.__version__} failed "
                                     f"({' '.join(cmd[:2])} ... exited {done.returncode}):\n{done.stderr[-2000:]}\n"
@@ -170,10 +172,13 @@ def _load() -> ctypes.CDLL:
     if _lib is None:
         import torch  # noqa: F401  (libc10 must be loaded for the library's symbols to resolve)
 
-        lib = ctypes.CDLL(str(build_cpu_allocator()))
-        for name in ("tm_cpu_alloc_live_bytes", "tm_cpu_alloc_live_blocks"):
-            getattr(lib, name).restype = ctypes.c_size_t
-        _tune_glibc()
+        path = build_cpu_allocator()
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:  # e.g. built against another torch's libc10 and its symbols differ
+            raise CPUAllocatorError(f"loading {path} failed ({exc}); delete it to rebuild, or set "
+                                    "memory.cpu_allocator: torch") from exc
+        lib.tm_cpu_alloc_live_bytes.restype = ctypes.c_size_t
         _lib = lib
     return _lib
 
@@ -201,6 +206,7 @@ def cpu_allocator(setting: str) -> Iterator[bool]:
             if not lib.tm_cpu_alloc_install():
                 raise CPUAllocatorError("another CPU allocator was registered with a higher priority and keeps its "
                                         "place; set memory.cpu_allocator: torch")
+            _tune_glibc()
             _users += 1
         except CPUAllocatorError as exc:
             if setting == "tiermem":
