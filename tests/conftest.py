@@ -1,16 +1,41 @@
-"""Shared fixtures: engines for every usable backend, and real filesystems mounted for fallbacks."""
+"""Shared fixtures: engines for every usable backend, the compute devices the offload tests run on, and real
+filesystems mounted for fallbacks."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 from collections.abc import Iterator
 
 import pytest
 
+from tiermem.device import CopyingDevice, copying_device
 from tiermem.io.engine import IOEngine, available_backends, create_engine
 
 BACKENDS = ["io_uring", "threads"]
+# The compute devices the tests that touch the device run on: the CPU itself, and the copying test device
+# (see [Note: copying test device] in tiermem/device.py). TIERMEM_TEST_DEVICE=cpu or =copy runs one.
+DEVICES = [d for d in ("cpu", "copy") if os.environ.get("TIERMEM_TEST_DEVICE", d) == d]
+if not DEVICES:
+    raise pytest.UsageError(f"TIERMEM_TEST_DEVICE={os.environ['TIERMEM_TEST_DEVICE']!r}: expected cpu or copy")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"tiermem test device: {', '.join(DEVICES)}"
+
+
+@pytest.fixture(params=DEVICES)
+def compute_device(request: pytest.FixtureRequest) -> Iterator[CopyingDevice | None]:
+    """The test runs on this compute device; on the copying one, no device memory may outlive it."""
+    if request.param == "cpu":
+        yield None
+        return
+    with copying_device() as dev:
+        before = dev.live_bytes
+        yield dev
+        gc.collect()
+        assert dev.live_bytes == before, f"{dev.live_bytes - before} bytes of device memory outlived the test"
 
 
 def _backend_param(name: str) -> object:

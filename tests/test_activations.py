@@ -20,6 +20,8 @@ from tiermem.errors import StoreError
 from tiermem.io.future import IOFuture
 from tiermem.store import SwapStore
 
+pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
+
 ACT = {"activations.tier": "nvme", "activations.min_bytes": "16KiB", "activations.buffer": "512KiB"}
 
 

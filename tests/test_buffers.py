@@ -2,13 +2,50 @@
 
 from __future__ import annotations
 
+import logging
+import os
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiermem.errors import BudgetError
-from tiermem.io.buffers import HUGE_PAGE, AlignedBuffer, HostBufferPool
+from tiermem.io import buffers
+from tiermem.io.buffers import CUDA_HOST_REGISTER_PORTABLE, HUGE_PAGE, AlignedBuffer, HostBufferPool
+
+
+class TorchCudart:
+    """torch.cuda.cudart() where no GPU exists, as torch binds it (no cudaGetLastError); registering returns `error`."""
+
+    def __init__(self, error: int = 0) -> None:
+        self.error = error
+        self.calls: list[tuple[Any, ...]] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("register", ptr, size, flags))
+        return self.error
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+class FakeCudart(TorchCudart):
+    """A cudart that also binds cudaGetLastError."""
+
+    def cudaGetLastError(self) -> int:  # noqa: N802
+        self.calls.append(("get_last_error",))
+        return 0
+
+
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, cudart: TorchCudart) -> TorchCudart:
+    """Make torch see CUDA, with `cudart` as its runtime bindings."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    return cudart
 
 
 def test_buffer_is_huge_page_aligned_and_zeroed() -> None:
@@ -76,8 +113,8 @@ def test_pool_never_exceeds_budget_and_merges_on_free(ops: list[tuple[bool, int]
         assert pool.alloc(pool.nbytes).nbytes == pool.nbytes
 
 
-def test_pinning_requires_cuda() -> None:
-    """pin=True without CUDA is a clear error; the default quietly skips pinning on the CPU."""
+def test_pinning_requires_cuda(caplog: pytest.LogCaptureFixture) -> None:
+    """pin=True or pin(required=True) without CUDA is a clear error; pin() warns and returns False."""
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         with AlignedBuffer(1 << 20, pin=True) as buf:
@@ -85,8 +122,77 @@ def test_pinning_requires_cuda() -> None:
         return
     with pytest.raises(RuntimeError, match="needs CUDA"):
         AlignedBuffer(1 << 20, pin=True)
-    with AlignedBuffer(1 << 20) as buf:
-        assert not buf.pinned
+    with HostBufferPool(1 << 20) as pool:
+        assert not pool.pinned
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            pool.pin(required=True)
+        with caplog.at_level(logging.WARNING, logger=buffers.__name__):
+            assert pool.pin() is False
+        assert "CUDA is not available" in caplog.text and not pool.pinned
+
+
+def test_default_never_pins_even_with_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA present, a buffer or pool built with default arguments is not page-locked."""
+    cudart = fake_cuda(monkeypatch, FakeCudart())
+    with AlignedBuffer(1 << 20) as buf, HostBufferPool(1 << 20) as pool:
+        assert not buf.pinned and not pool.pinned
+    assert cudart.calls == []
+
+
+def test_pin_registers_portable_once_and_close_unregisters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pool.pin() registers the whole pool once with cudaHostRegisterPortable (1); close() unregisters it."""
+    cudart = fake_cuda(monkeypatch, FakeCudart())
+    pool = HostBufferPool(1 << 20)
+    piece = pool.alloc(4096)  # pieces handed out before pinning stay valid: the memory does not move
+    assert pool.pin() is True and pool.pin() is True and pool.pinned
+    assert CUDA_HOST_REGISTER_PORTABLE == 1
+    assert cudart.calls == [("register", pool.buffer.address, pool.nbytes, 1)]
+    piece.release()
+    pool.close()
+    pool.close()
+    assert cudart.calls[1:] == [("unregister", pool.buffer.address)] and not pool.pinned
+    with pytest.raises(ValueError, match="closed"):
+        pool.pin()
+
+
+def test_pin_at_construction_is_portable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AlignedBuffer(pin=True) registers at once, with the portable flag."""
+    cudart = fake_cuda(monkeypatch, FakeCudart())
+    with AlignedBuffer(5000, pin=True) as buf:
+        assert buf.pinned
+        assert cudart.calls == [("register", buf.address, 8192, CUDA_HOST_REGISTER_PORTABLE)]
+
+
+def test_failed_registration_clears_cudas_last_error(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A refused cudaHostRegister is followed by cudaGetLastError, warns (raises if required), is not unregistered."""
+    cudart = fake_cuda(monkeypatch, FakeCudart(error=2))  # cudaErrorMemoryAllocation
+    with HostBufferPool(1 << 20) as pool:
+        with caplog.at_level(logging.WARNING, logger=buffers.__name__):
+            assert pool.pin() is False
+        assert "CUDA error 2" in caplog.text and not pool.pinned
+        assert cudart.calls == [("register", pool.buffer.address, pool.nbytes, 1), ("get_last_error",)]
+        with pytest.raises(RuntimeError, match="CUDA error 2.*ulimit -l"):
+            pool.pin(required=True)
+        assert cudart.calls[-1] == ("get_last_error",)
+    assert [c[0] for c in cudart.calls] == ["register", "get_last_error"] * 2
+
+
+def test_error_cleared_through_loaded_libcudart_without_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's bindings have no cudaGetLastError: the error is cleared through the loaded libcudart instead."""
+    cudart = fake_cuda(monkeypatch, TorchCudart(error=712))
+    cleared: list[int] = []
+    monkeypatch.setattr(buffers, "_loaded_cudart_get_last_error", lambda: lambda: cleared.append(1))
+    with HostBufferPool(1 << 20) as pool:
+        assert pool.pin() is False
+    assert cleared == [1] and [c[0] for c in cudart.calls] == ["register"]
+
+
+def test_loaded_library_lookup_never_loads_a_new_copy() -> None:
+    """The libcudart fallback's lookup finds functions of loaded libraries (libc) only, loading nothing."""
+    getpid = buffers._loaded_library_function("libc.so", "getpid")
+    assert getpid is not None and getpid() == os.getpid()
+    assert buffers._loaded_library_function("libtiermem-not-loaded", "getpid") is None
 
 
 def test_long_lived_pieces_go_to_the_top() -> None:

@@ -14,6 +14,8 @@ from tests import models
 from tests.test_training import batches, cfg, loss_fn, mlp, run_steps
 from tiermem import tiered_offload
 
+pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
+
 
 def test_save_load_round_trip_in_process(tmp_path) -> None:
     """Weights and optimizer state saved, scrambled, and loaded back give the same next steps."""

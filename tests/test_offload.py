@@ -12,6 +12,8 @@ from tests import models
 from tiermem import OffloadError, tiered_offload
 from tiermem.io.engine import available_backends
 
+pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
+
 pytest.importorskip("transformers")
 
 

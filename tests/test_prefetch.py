@@ -14,6 +14,8 @@ from tiermem.io.engine import Chunk
 from tiermem.io.threads import ThreadEngine
 from tiermem.swap import Residency
 
+pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
+
 
 def cfg(tmp_path, **extra) -> dict:
     out = {"device": "cpu", "params.tier": "nvme", "nvme.paths": [str(tmp_path / "swap")],

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from tiermem.errors import BudgetError
 from tiermem.swap import CorruptDataError, Residency, StateError, TensorSwapper
 
+pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 11), (1000,), (17, 129)]
 KiB, MiB = 1 << 10, 1 << 20
@@ -94,16 +96,16 @@ def test_views_are_made_once_per_buffer(tmp_path) -> None:
     the views are new and see the new buffer's bytes."""
     with _swapper(tmp_path) as sw:
         part = sw.add("w", {"a": torch.arange(1000.0), "b": torch.ones(10)})
-        first = sw.acquire(part)
+        first = sw.acquire(part, "host")
         address = part.host.address  # type: ignore[union-attr]
         sw.release(part)
-        again = sw.acquire(part)
+        again = sw.acquire(part, "host")
         assert all(again[k] is first[k] for k in first)
         again.pop("a")  # callers get their own dict: this does not reach the next caller
         sw.release(part)
         sw.evict(part).wait()
         blocker = sw.add("blocker", {"y": torch.zeros(1010)})  # takes the piece `part` had
-        back = sw.acquire(part)
+        back = sw.acquire(part, "host")
         assert part.host.address != address  # type: ignore[union-attr]
         assert back.keys() == {"a", "b"} and back["a"] is not first["a"]
         assert back["a"].data_ptr() == part.host.address  # type: ignore[union-attr]

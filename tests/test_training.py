@@ -13,6 +13,8 @@ from torch import nn
 from tests import models
 from tiermem import OffloadError, tiered_offload
 
+pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
+
 TIERS = {"device": "cpu", "nvme.paths": [], "wrap.min_unit_bytes": 0, "memory.host_budget": "4MiB"}
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiermem.device import check_host
 from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint, SafetensorsWriter
 
 if TYPE_CHECKING:
@@ -80,10 +81,13 @@ def load_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str]) -> None:
                 for fqn, _ in unit.params:
                     weights.read_into(engine, fqn, views[fqn])
             finally:
-                tm.swapper.release(unit.partition, dirty=True)
+                tm.swapper.release(unit.partition, dirty=True, tier="host")
         for name, buf in _persistent_buffers(tm.model):
-            if name in weights.entries:
-                weights.read_into(engine, name, buf)
+            if name in weights.entries:  # buffers live on the device: read on the host, then copy
+                staged = torch.empty(buf.shape, dtype=buf.dtype)
+                weights.read_into(engine, name, staged)
+                with torch.no_grad():
+                    buf.copy_(staged)
     finally:
         weights.close()
     if tm.optimizer is not None:
@@ -205,7 +209,9 @@ def _write_sharded(folder: str, prefix: str, tensors: list[tuple[str, torch.dtyp
                 if held != key:
                     _release(tm, held)
                     held, views = key, _acquire(tm, key)
-                writer.write(tname, views[tname if source[0] == "unit" else source[2]])
+                tensor = views[tname if source[0] == "unit" else source[2]]
+                check_host(f"saving {tname!r}", tensor)
+                writer.write(tname, tensor)
         finally:
             _release(tm, held)
         writer.close()
@@ -229,7 +235,7 @@ def _acquire(tm: OffloadHandle, key: tuple[str, int]) -> dict[str, torch.Tensor]
 
 def _release(tm: OffloadHandle, key: tuple[str, int] | None) -> None:
     if key is not None:
-        tm.swapper.release(_partition_for(tm, key))
+        tm.swapper.release(_partition_for(tm, key), tier="host")
 
 
 def _replace_dir(tmp: str, final: str) -> None:

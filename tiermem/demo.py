@@ -55,6 +55,12 @@ def ensure_checkpoint(folder: str, layers: int, width: int) -> str:
     return index if os.path.exists(index) else weights
 
 
+def _token_ids(shape: tuple[int, ...], vocab: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Random token ids from a seeded CPU generator (so every device gets the same ids), placed on `device`,
+    the compute device the model's parameters are bound on (`tm.device`)."""
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
 class _TokenProgress:
     """A transformers streamer that advances a progress bar per generated token."""
 
@@ -98,10 +104,10 @@ def run_training(args: argparse.Namespace) -> int:
     ckpt = os.path.join(args.dir, "train-checkpoint")
     overrides: dict[str, Any] = {"device": "auto", "params.tier": "nvme", "optimizer.tier": "nvme",
                                  "grads.tier": "cpu", "nvme.paths": [swap], "memory.host_budget": budget}
-    batch = torch.randint(0, 8192, (2, 128), generator=torch.Generator().manual_seed(3))
-    data = [batch] * args.train_steps  # one batch again and again: the falling loss shows that updates land
     times, losses = [], []
     with tiermem.tiered_offload(model, optimizer=opt, **overrides) as tm:
+        batch = _token_ids((2, 128), 8192, 3, tm.device)
+        data = [batch] * args.train_steps  # one batch again and again: the falling loss shows that updates land
         tm.reset_stats()
         optimizer = tm.optimizer
         assert optimizer is not None
@@ -147,7 +153,6 @@ def run_inference(args: argparse.Namespace) -> int:
     budget = parse_size(args.host_budget, what="--host-budget")
     ckpt = ensure_checkpoint(os.path.join(args.dir, "checkpoints"), args.layers, args.width)
     swap = os.path.join(args.dir, "swap")
-    ids = torch.randint(0, 50257, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     results = []
     for prefetch in (True, False):
         with torch.device("meta"):
@@ -157,6 +162,7 @@ def run_inference(args: argparse.Namespace) -> int:
                      "prefetch.depth": args.depth}
         label = "with prefetch" if prefetch else "without prefetch"
         with tiermem.tiered_offload(model, checkpoint=ckpt, restore=False, prefetch=prefetch, **overrides) as tm:
+            ids = _token_ids((1, args.prompt), 50257, 1, tm.device)
             with torch.no_grad():
                 model(ids[:, :4])  # records the execution order
             tm.reset_stats()

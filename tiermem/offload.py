@@ -81,6 +81,11 @@ class OffloadHandle:
     def units(self) -> list[Unit]:
         return self.runtime.units
 
+    @property
+    def device(self) -> torch.device:
+        """The compute device (the config's `device` resolved): put the model's inputs here."""
+        return self.swapper.device
+
     def stats(self) -> dict[str, Any]:
         """Counters since entry or the last `reset_stats()`.
 
@@ -89,7 +94,9 @@ class OffloadHandle:
         ``prefetch_misses``, ``schedule_misses`` (acquisitions that were not the unit the recorded order
         predicted), ``retraces`` (times the execution order was recorded again), ``passes``
         (top-level forwards), ``units`` (how many), ``largest_unit_bytes`` and ``resident_bytes`` (units kept in
-        host memory between passes, see ``prefetch.keep_resident``). With ``activations.tier: nvme`` also
+        host memory between passes, see ``prefetch.keep_resident``), ``evictions`` and ``device_budget`` (the cap
+        on the device's working set: memory.device_budget, or the one derived from the prefetch settings when
+        that is null; None on a device whose memory is the host's). With ``activations.tier: nvme`` also
         ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_stall_seconds``,
         ``activations_peak_host_bytes``, ``activations_bytes_written`` and ``activations_bytes_read``; those
         bytes are included in ``bytes_read``/``bytes_written``, and the activation buffer's peak and current
@@ -117,6 +124,7 @@ class OffloadHandle:
             "largest_unit_bytes": max((u.nbytes for u in rt.units), default=0),
             "resident_bytes": rt.pinned_bytes,
             "evictions": s.evictions,
+            "device_budget": self.swapper.device_cap,
             **act,
         }
 
@@ -256,7 +264,6 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
             raise OffloadError(f"parameter {meta[0]!r} (and {len(meta) - 1} more) is on the meta device; pass "
                                "checkpoint=PATH to stream its weights, or build the model with real weights")
     override = dtype_of(cfg.params.dtype)
-    device = swapper.device
     _check_fits(plan, swapper, override)
     if optimizer is not None:  # each param group contiguous in every partition: see [Note: training state per unit]
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -270,13 +277,15 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
         for pname, p in mod._parameters.items():
             if p is not None:
                 holders.setdefault(id(p), []).append((mod, pname))
+    moved: list[tuple[nn.Module, str, torch.device]] = []
     try:
-        _move_buffers(model, device, ckpt, swapper)
+        _move_buffers(model, ckpt, swapper, moved)
         for index, up in enumerate(plan.units):
             units.append(_pack_unit(index, up, swapper, ckpt, override, plan.aliases, holders))
     except BaseException:
         for u in units:  # give the parameters back before failing: nothing is lost
             _restore_unit(u, swapper)
+        _restore_buffers(moved)
         raise
     finally:
         if ckpt is not None:
@@ -284,7 +293,9 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
     swapper.flush()  # every NVMe partition is on disk before the first forward
     trim()  # the model's own parameter memory is free now: give it back (see tiermem/memory.py)
     swapper.register_pool()  # only now: registering faults in the whole pool (see TensorSwapper.__init__)
-    return Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
+    runtime = Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
+    runtime.moved_buffers = moved
+    return runtime
 
 
 def _unit_specs(up: UnitPlan, override: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
@@ -342,9 +353,10 @@ def _checkpoint_name(fqn: str, ckpt: SafetensorsCheckpoint, aliases: dict[str, s
                           f"{', '.join(list(ckpt.entries)[:5])}. Was it saved from this model?")
 
 
-def _move_buffers(model: nn.Module, device: torch.device, ckpt: SafetensorsCheckpoint | None,
-                  swapper: TensorSwapper) -> None:
-    """Buffers stay resident on the compute device (they are small); meta buffers come from the checkpoint."""
+def _move_buffers(model: nn.Module, ckpt: SafetensorsCheckpoint | None, swapper: TensorSwapper,
+                  moved: list[tuple[nn.Module, str, torch.device]]) -> None:
+    """Buffers stay resident on the compute device (they are small); meta buffers come from the checkpoint.
+    Each one moved is added to `moved` with the device to give it back on (the CPU for a meta buffer)."""
     for mod_name, mod in model.named_modules():
         for name, buf in list(mod._buffers.items()):
             if buf is None:
@@ -358,11 +370,22 @@ def _move_buffers(model: nn.Module, device: torch.device, ckpt: SafetensorsCheck
                 real = torch.empty(buf.shape, dtype=buf.dtype)
                 ckpt.read_into(swapper.engine, fqn, real)
                 buf = real
-            mod._buffers[name] = buf.to(device)
+            moved.append((mod, name, buf.device))
+            mod._buffers[name] = swapper.mover.tensor_to_device(buf)
+
+
+def _restore_buffers(moved: list[tuple[nn.Module, str, torch.device]]) -> None:
+    """Give the buffers moved at entry back to the devices they came from, with their current values."""
+    for mod, name, device in moved:
+        buf = mod._buffers.get(name)
+        if buf is not None:
+            mod._buffers[name] = buf.to(device, copy=True)
+    moved.clear()
 
 
 # -- exit -------------------------------------------------------------------------------------------
 def _unpack(handle: OffloadHandle, restore: bool) -> None:
+    _restore_buffers(handle.runtime.moved_buffers)
     if not restore:
         _to_meta(handle.model, handle.units)
         return
@@ -380,7 +403,7 @@ def _restore_unit(unit: Unit, swapper: TensorSwapper) -> None:
                     device = torch.device("cpu")  # streamed from a checkpoint: materialise on the CPU
                 p.data = tensors[fqn].to(device=device, dtype=dtype, copy=True)
     finally:
-        swapper.release(unit.partition)
+        swapper.release(unit.partition, tier="host")
 
 
 def _to_meta(model: nn.Module, units: list[Unit]) -> None:

@@ -1,19 +1,32 @@
-"""Aligned host memory: buffers backed by (transparent huge page) mmaps, pinned for CUDA when present.
+"""Aligned host memory: buffers backed by (transparent huge page) mmaps, pinned for CUDA when asked.
 
 # [Note: host buffers]
 All host memory that the kernel reads or writes with O_DIRECT comes from here. Each buffer is one
 anonymous mmap, placed at a 2 MiB boundary and advised MADV_HUGEPAGE, because on virtio disks huge-page
 backed buffers let the block layer build larger requests (a plain pread loop went from 1.7 to 2.5 GB/s
 here). A single buffer is touched once at allocation so that no page fault lands inside a timed
-transfer; a pool is faulted in as it is used, so resident memory grows with use up to its size. When
-CUDA is available the same memory is page-locked with cudaHostRegister, so H2D/D2H copies are async.
+transfer; a pool is faulted in as it is used, so resident memory grows with use up to its size.
 A pool is allocated once and carved with a first-fit free list; nothing is allocated per transfer.
+
+# [Note: pinning host buffers]
+Page-locking (cudaHostRegister) is what lets H2D/D2H copies run asynchronously, but it faults in and
+locks every page at once, so it is the caller's decision, never implied by CUDA being installed: nothing
+is pinned unless asked for (`pin=True` at construction, or `pin()` later). A pool whose compute device is
+the CPU is never pinned; the swapper pins its pool only for a CUDA device, and only when it registers the
+pool with the I/O engine, after the model's own parameters are packed and freed, so the two never add up.
+Registration uses cudaHostRegisterPortable, so the memory counts as pinned for every CUDA context and
+device, not only the one current on the calling thread. A failed registration also sets CUDA's per-thread
+last error, which the next kernel launch check would report as its own failure; it is read back
+(cleared) at once. close() unpins.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import mmap
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +50,8 @@ except ImportError:  # pragma: no cover - cffi is a dependency; numpy serves wit
 
 ALIGN = 4096
 HUGE_PAGE = 2 * 1024 * 1024
+# cudaHostRegisterPortable: the memory is pinned for all CUDA contexts, not only the current device's
+CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -69,7 +84,7 @@ def as_bytes_view(buf: Any) -> memoryview:
 class AlignedBuffer:
     """One mmap-backed, 2 MiB-aligned block of host memory; exposed as memoryview, numpy and torch."""
 
-    def __init__(self, nbytes: int, *, huge_pages: bool = True, pin: bool | None = None,
+    def __init__(self, nbytes: int, *, huge_pages: bool = True, pin: bool = False,
                  prefault: bool = True) -> None:
         if nbytes <= 0:
             raise ValueError(f"buffer size must be > 0, got {nbytes}")
@@ -90,8 +105,28 @@ class AlignedBuffer:
             np.frombuffer(self.view, dtype=np.uint8).fill(0)  # fault every page in now, not during I/O
         self.address = base + self._start
         self.pinned = False  # page-locked for CUDA (cudaHostRegister) so copies can be asynchronous
-        if pin or pin is None:
-            self.pinned = _cuda_host_register(self.address, self.nbytes, required=bool(pin))
+        self._pin_lock = threading.Lock()  # pin() and close() from different threads register/unregister once
+        self.closed = False  # close() was called; the mapping itself may outlive it while views remain
+        if pin:
+            try:
+                self.pin(required=True)
+            except BaseException:
+                self.close()
+                raise
+
+    def pin(self, *, required: bool = False) -> bool:
+        """Page-lock this buffer for CUDA copies, once; return whether it is pinned now.
+
+        A failure (no CUDA, or cudaHostRegister refused) raises RuntimeError when `required`, else is
+        logged as a warning and the buffer stays pageable: copies from it are then synchronous. See
+        [Note: pinning host buffers].
+        """
+        with self._pin_lock:
+            if self.closed:
+                raise ValueError(f"buffer at {self.address:#x} is closed; it cannot be pinned")
+            if not self.pinned:
+                self.pinned = _cuda_host_register(self.address, self.nbytes, required=required)
+            return self.pinned
 
     def numpy(self) -> np.ndarray:
         return np.frombuffer(self.view, dtype=np.uint8)
@@ -104,11 +139,13 @@ class AlignedBuffer:
 
     def close(self) -> None:
         """Release the memory; views handed out must no longer be used."""
-        if self._map.closed:
-            return
-        if self.pinned:
-            _cuda_host_unregister(self.address)
-            self.pinned = False
+        with self._pin_lock:
+            if self._map.closed:
+                return
+            self.closed = True
+            if self.pinned:
+                _cuda_host_unregister(self.address)
+                self.pinned = False
         self.view.release()
         try:
             self._map.close()
@@ -151,9 +188,25 @@ class HostBufferPool:
 
     `alloc` never grows the pool: when it cannot fit a request it raises BudgetError naming the size
     and what is free, so callers evict or wait instead of exceeding the host budget.
+
+    Args:
+        nbytes: the pool's size (rounded up to 4 KiB).
+        huge_pages: place it at a 2 MiB boundary and advise MADV_HUGEPAGE.
+        pin: page-lock it for CUDA now; RuntimeError if that fails. Default False: pageable until `pin()`.
+        prefault: touch every page now instead of as pieces are first used.
+
+    Example::
+
+        pool = HostBufferPool(1 << 30)
+        if device.type == "cuda":
+            pool.pin()                    # when the memory is about to be used for copies, not before
+        piece = pool.alloc(4 << 20)
+        ...
+        piece.release()
+        pool.close()                      # unpins too
     """
 
-    def __init__(self, nbytes: int, *, huge_pages: bool = True, pin: bool | None = None,
+    def __init__(self, nbytes: int, *, huge_pages: bool = True, pin: bool = False,
                  prefault: bool = False) -> None:
         # not prefaulted by default: pages are faulted in as pieces are first used, so resident memory
         # grows with use up to the budget instead of starting there
@@ -163,6 +216,20 @@ class HostBufferPool:
         self._free = FreeList(self.nbytes)  # the pieces not handed out
         self.used = 0  # bytes handed out now
         self.peak = 0  # most bytes handed out at once
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the pool is page-locked for CUDA."""
+        return self.buffer.pinned
+
+    def pin(self, *, required: bool = False) -> bool:
+        """Page-lock the whole pool for CUDA copies, once; return whether it is pinned now.
+
+        Faults in and locks every page, so call it when the pool is about to serve device copies (see
+        [Note: pinning host buffers]). A failure raises RuntimeError when `required`, else is logged as
+        a warning and the pool stays pageable (copies from it are synchronous).
+        """
+        return self.buffer.pin(required=required)
 
     @property
     def regions(self) -> list[tuple[int, int]]:
@@ -202,26 +269,84 @@ class HostBufferPool:
 
 
 def _cuda_host_register(address: int, nbytes: int, *, required: bool) -> bool:
+    """cudaHostRegister(portable) the range; True when pinned. Failures raise if `required`, else warn."""
     try:
         import torch
-
-        if not torch.cuda.is_available():
-            if required:
-                raise RuntimeError("pin=True needs CUDA, which is not available")
-            return False
-        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
     except ImportError:
-        return False
-    if int(err) != 0:
+        torch = None  # type: ignore[assignment]
+    if torch is None or not torch.cuda.is_available():
         if required:
-            raise RuntimeError(f"cudaHostRegister of {format_size(nbytes)} failed with CUDA error {int(err)}")
-        log.warning("cudaHostRegister of %s failed (error %d); host copies will be synchronous",
-                    format_size(nbytes), int(err))
+            raise RuntimeError(f"pinning {format_size(nbytes)} of host memory needs CUDA, which is not available "
+                               "here; leave pin off (the default) on a CPU-only machine")
+        log.warning("cannot pin %s of host memory: CUDA is not available; host copies will be synchronous",
+                    format_size(nbytes))
         return False
-    return True
+    try:
+        cudart = torch.cuda.cudart()
+    except (AssertionError, RuntimeError) as exc:  # no libcudart bindings, or CUDA unusable after fork()
+        if required:
+            raise RuntimeError(f"pinning {format_size(nbytes)} of host memory needs CUDA, which cannot be "
+                               f"used here ({exc})") from exc
+        log.warning("cannot pin %s of host memory (%s); host copies will be synchronous", format_size(nbytes), exc)
+        return False
+    err = int(cudart.cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE))
+    if err == 0:
+        return True
+    _clear_cuda_error(cudart)
+    what = f"cudaHostRegister of {format_size(nbytes)} at {address:#x} failed with CUDA error {err}"
+    if required:
+        raise RuntimeError(f"{what}; raise the locked-memory limit (ulimit -l) or lower memory.host_budget")
+    log.warning("%s; host copies will be synchronous", what)
+    return False
 
 
 def _cuda_host_unregister(address: int) -> None:
     import torch
 
-    torch.cuda.cudart().cudaHostUnregister(address)
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostUnregister(address))
+    if err != 0:
+        _clear_cuda_error(cudart)
+        log.warning("cudaHostUnregister at %#x failed with CUDA error %d", address, err)
+
+
+def _clear_cuda_error(cudart: Any) -> None:
+    """Read back (and so reset) CUDA's last error on this thread, so no later kernel launch reports it."""
+    get_last_error = getattr(cudart, "cudaGetLastError", None)
+    if get_last_error is None:  # torch's cudart bindings have no cudaGetLastError: ask the library itself
+        get_last_error = _loaded_cudart_get_last_error()
+    if get_last_error is not None:
+        get_last_error()
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_cudart_get_last_error() -> Any:
+    """cudaGetLastError of the libcudart this process already loaded (torch's), or None.
+
+    The last error lives in that library instance, so another copy of it would not do. None when cudart
+    is linked statically.
+    """
+    func = _loaded_library_function("libcudart", "cudaGetLastError")
+    if func is None:
+        log.debug("no shared libcudart loaded; a failed cudaHostRegister leaves CUDA's last error set")
+    return func
+
+
+def _loaded_library_function(prefix: str, name: str) -> Any:
+    """Function `name` (returning int) of an already loaded shared library whose file name starts with
+    `prefix`, or None. The path comes from /proc/self/maps, and RTLD_NOLOAD refuses to load anything new."""
+    try:
+        with open("/proc/self/maps") as maps:
+            fields = [line.split(None, 5) for line in maps]
+    except OSError:
+        return None
+    paths = {f[5].strip() for f in fields if len(f) == 6}
+    for path in sorted(p for p in paths if os.path.basename(p).startswith(prefix)):
+        try:
+            func = getattr(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL), name)
+        except (OSError, AttributeError):
+            continue
+        func.restype = ctypes.c_int
+        func.argtypes = []
+        return func
+    return None

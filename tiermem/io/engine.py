@@ -14,6 +14,9 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
+import torch
+
+from tiermem.device import check_host
 from tiermem.errors import IOEngineError, TiermemError
 from tiermem.io.buffers import as_bytes_view, buffer_address
 from tiermem.io.files import IOFile
@@ -106,6 +109,8 @@ class IOEngine(ABC):
     def _transfer(self, op: int, file: IOFile, buf: Any, offset: int, nbytes: int | None) -> IOFuture:
         if self.closed:
             raise IOEngineError(f"the {self.name} engine is closed")
+        if isinstance(buf, torch.Tensor):
+            check_host(f"{file.path}: I/O buffer", buf)
         view = as_bytes_view(buf)
         if op == OP_READ and view.readonly:
             raise ValueError(f"{file.path}: cannot read into a read-only buffer")

@@ -30,6 +30,7 @@ from torch import nn
 from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
+from tiermem.device import check_host
 from tiermem.errors import TiermemError
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
@@ -64,6 +65,7 @@ class UnitOptimState:
     steps: dict[str, int] = field(default_factory=dict)  # optimizer steps taken per parameter
     has_grad: set[str] = field(default_factory=set)  # parameters with a gradient since zero_grad
     grads_held: bool = False  # the accumulators are acquired for the backward in progress
+    on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # fresh gradients still in device memory
     updated: bool = False  # already updated during backward (optimizer.overlap_backward); step() skips it
 
 
@@ -197,7 +199,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 for fqn, _, _ in trainable:
                     views[f"master.{fqn}"].copy_(params[fqn])
             finally:
-                self.swapper.release(master_from)
+                self.swapper.release(master_from, tier="host")
 
         return self.swapper.add(f"{unit.name}#state", state_specs, home=self.swapper.config.optimizer.tier,
                                 zero=True, fill=fill)
@@ -213,27 +215,75 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     # -- gradients (called by the runtime during backward) -------------------------------------------
     def accumulate(self, unit_index: int, fqn: str, grad: torch.Tensor) -> None:
-        """Add one parameter's fresh gradient into its fp32 accumulator."""
+        """Take one parameter's fresh gradient: on a device with memory of its own it waits there until the
+        unit's backward is over (see `finish_grads`); on the CPU it is added into its fp32 accumulator now."""
         st = self.by_unit[unit_index]
+        if self.swapper.mover.copies:
+            st.on_device[fqn] = grad
+            return
+        grads = self._hold_grads(st)
+        self._add_grads(st, {fqn: grad}, grads)
+
+    def finish_grads(self, unit_index: int) -> None:
+        """The unit's backward is over: bring its gradients off the device in one copy, and let its
+        accumulators go (written back if their tier is NVMe)."""
+        st = self.by_unit.get(unit_index)
+        if st is None:
+            return
+        if st.on_device:
+            self._gradients_to_host(st)
+        if st.grads_held:
+            st.grads_held = False
+            self.swapper.release(st.grads, dirty=True)
+
+    def _hold_grads(self, st: UnitOptimState) -> dict[str, torch.Tensor]:
         if not st.grads_held:
             self.swapper.acquire(st.grads, "host")
             st.grads_held = True
-        view = st.grads.tensors()[fqn]
-        if self.loss_scaling and not self.found_inf and not bool(torch.isfinite(grad).all()):
-            self.found_inf = True
-        with torch.no_grad():
-            if fqn in st.has_grad:
-                view.add_(grad.to(view.device))
-            else:
-                view.copy_(grad)
-        st.has_grad.add(fqn)
+        return st.grads.tensors("host")
 
-    def finish_grads(self, unit_index: int) -> None:
-        """The unit's backward is over: let its accumulators go (written back if their tier is NVMe)."""
-        st = self.by_unit.get(unit_index)
-        if st is not None and st.grads_held:
-            st.grads_held = False
-            self.swapper.release(st.grads, dirty=True)
+    def _add_grads(self, st: UnitOptimState, fresh: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
+        """Copy (first micro-batch) or add (later ones) host gradients into the fp32 accumulators."""
+        for fqn, grad in fresh.items():
+            view = grads[fqn]
+            check_host(f"the gradient accumulator of {fqn!r}", view)
+            if self.loss_scaling and not self.found_inf and not bool(torch.isfinite(grad).all()):
+                self.found_inf = True
+            with torch.no_grad():
+                if fqn in st.has_grad:
+                    view.add_(grad)
+                else:
+                    view.copy_(grad)
+            st.has_grad.add(fqn)
+
+    def _gradients_to_host(self, st: UnitOptimState) -> None:
+        """The unit's device gradients, cast to fp32 on the device into one flat buffer laid out as the
+        accumulators, then one copy to the host: straight into the accumulators when none holds an earlier
+        micro-batch's gradient, else into a staging buffer from the host pool that is added on the host."""
+        fresh, st.on_device = st.on_device, {}
+        names = list(fresh)
+        mover = self.swapper.mover
+        flat = mover.empty(st.grads.size).zero_()  # zeros between tensors: the whole buffer is checked for inf
+        views = st.grads.layout.views(flat)
+        with torch.no_grad():
+            for fqn, grad in fresh.items():
+                views[fqn].copy_(grad)  # the cast to fp32 runs on the device
+        del fresh
+        if self.loss_scaling and not self.found_inf and not bool(torch.isfinite(flat.view(torch.float32)).all()):
+            self.found_inf = True
+        grads = self._hold_grads(st)
+        if not any(f in st.has_grad for f in names):
+            mover.synchronize(mover.to_host(flat, st.grads.flat("host")))
+            st.has_grad.update(names)
+            return
+        staging = self.swapper.cache.alloc(st.grads)  # a host buffer the accumulators' size, evicting as needed
+        try:
+            host = staging.tensor()
+            mover.synchronize(mover.to_host(flat, host))
+            staged = st.grads.layout.views(host)
+            self._add_grads(st, {f: staged[f] for f in names}, grads)
+        finally:
+            self.swapper.pool.free(staging)
 
     def unit_backward_started(self, unit_index: int) -> None:
         """Backward reached the unit: with overlap_backward, start reading its optimizer state now."""
@@ -341,6 +391,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             state = sw.acquire(st.state, "host") if st.state is not None else {}
             if st.state is not None:
                 held.append(st.state)
+            check_host(f"the update of unit {st.unit.name!r}", *params.values(), *grads.values(), *state.values())
             factor = (self._clip_scale or 1.0) / self.scale
             if factor != 1.0:  # unscale (float16) and clip, in one pass
                 for f in st.has_grad:
@@ -349,7 +400,8 @@ class TieredOptimizer(torch.optim.Optimizer):
                 self._update_range(st, rng, params, grads, state)
         finally:
             for part in held:
-                sw.release(part, dirty=part is not st.grads or (self._clip_scale or 1.0) / self.scale != 1.0)
+                sw.release(part, dirty=part is not st.grads or (self._clip_scale or 1.0) / self.scale != 1.0,
+                           tier="host")
 
     def _update_range(self, st: UnitOptimState, rng: GroupRange, params: dict[str, torch.Tensor],
                       grads: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermem.device import check_host
 from tiermem.errors import TiermemError
 from tiermem.io.engine import IOEngine
 from tiermem.io.files import IOFile
@@ -105,6 +106,7 @@ class SafetensorsCheckpoint:
         if tuple(target.shape) != e.shape:
             raise CheckpointError(f"{e.path}: tensor {name!r} has shape {list(e.shape)} but the model's parameter "
                                   f"has {list(target.shape)}; the checkpoint was saved from another model config")
+        check_host(f"reading {name!r} from {e.path}", target)
         f = self._files.get(e.path)
         if f is None:
             f = self._files[e.path] = IOFile(e.path, "r", direct=False)

@@ -33,7 +33,7 @@ from tiermem.runtime.activations import ActivationStore, _SavedActivation
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
-from tiermem.swap import Residency, TensorSwapper, Tier
+from tiermem.swap import TensorSwapper, Tier
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,13 @@ class Runtime:
         self._awaiting_backward = False  # a grad-enabled forward ended; its pass ends with its backward
         self._distance: tuple[int, dict[int, int]] = (-1, {})  # (cursor, unit -> acquisitions until next use)
         self.activations: ActivationStore | None = None  # saved activations on NVMe (activations.tier)
+        self.moved_buffers: list[tuple[nn.Module, str, torch.device]] = []  # (module, name, origin) to give back
         swapper.next_use = self._next_use
+        largest = max((u.nbytes for u in units), default=0)
+        window = self.schedule.depth * largest
+        if cfg.max_bytes is not None:
+            window = min(window, cfg.max_bytes)
+        swapper.derive_device_cap(largest, window)
 
     def _next_use(self, part: object) -> float:
         """Acquisitions until the schedule needs this partition again (inf when it never does)."""
@@ -191,7 +197,9 @@ class Runtime:
             updated = self.optimizer.unit_grads_done(i)  # optimizer.overlap_backward: update it now
         if i in self._bwd_held:
             self._bwd_held.discard(i)
-            self.exit(i, drop=updated)  # an updated unit's device copy is stale: never keep it
+            # backward needs a unit once; the next forward's first units come up in the window at its end, but
+            # the step changes them before that forward: keeping their device copies would waste the copy
+            self.exit(i, drop=updated or self.optimizer is not None)
 
     def _backward_end(self) -> None:
         """Runs once when autograd finishes a backward: release what it still holds, end the pass."""
@@ -201,7 +209,7 @@ class Runtime:
         self._in_backward = False
         if self._awaiting_backward:
             self._awaiting_backward = False
-            self._finish_pass()
+            self._finish_pass(trained=True)
 
     def _make_pre(self, indices: list[int]) -> Any:
         def pre(module: nn.Module, args: Any) -> None:
@@ -233,13 +241,15 @@ class Runtime:
             else:
                 self._finish_pass()
 
-    def _finish_pass(self) -> None:
+    def _finish_pass(self, *, trained: bool = False) -> None:
         self.passes += 1
         window = self.schedule.on_pass_end()
         if self.schedule.order is not self._planned_for:
             self._plan_resident()
             window = self.schedule.window() if self.schedule.order else window
-        self._prefetch(window)
+        # after a backward the optimizer's step comes next and changes these units: a device copy made now
+        # would be stale before the next forward, so the window is read to the host only
+        self._prefetch(window, "host" if trained and self.optimizer is not None else "device")
 
     def _plan_resident(self) -> None:
         """Choose the units kept in host memory between passes for the order just recorded; see
@@ -277,9 +287,8 @@ class Runtime:
         if unit.depth > 1:
             return
         part = unit.partition
-        ready = part.state in (Residency.DEVICE, Residency.TO_DEVICE, Residency.READING) or (
-            part.state is Residency.HOST and not self.swapper.mover.copies)
-        if ready:
+        sw = self.swapper
+        if sw.is_on_the_way(part, "device") or (not sw.mover.copies and sw.is_on_the_way(part, "host")):
             self.prefetch_hits += 1
         else:
             self.prefetch_misses += 1
@@ -302,25 +311,32 @@ class Runtime:
     def exit(self, i: int, *, dirty: bool = False, drop: bool = False) -> None:
         """Release unit `i`, keeping it on the device if the window needs it again (unless `drop`)."""
         unit = self.units[i]
+        if unit.depth == 0:
+            return  # its enter failed (the forward hook runs also when the pre-hook raised)
         unit.depth -= 1
         if unit.depth > 0:
             return
         unit.unbind()
+        if torch.is_autocast_enabled(self.swapper.device.type):
+            # autocast caches the low-precision copy of each parameter by the Parameter object until the
+            # autocast block ends: without this, every released unit's copy would stay alive on the device
+            torch.clear_autocast_cache()
         keep = not drop and bool(self.schedule.order) and i in self.schedule.window()
-        self.swapper.release(unit.partition, keep=keep, dirty=dirty)
+        self.swapper.release(unit.partition, keep=keep, dirty=dirty, tier="device")
         if not keep:
             self._on_device.discard(i)
 
-    def _prefetch(self, window: list[int]) -> None:
+    def _prefetch(self, window: list[int], tier: str = "device") -> None:
         for j in window:
             part = self.units[j].partition
-            if part.state is not Residency.DEVICE:
-                self.swapper.prefetch(part, "device")
-            self._on_device.add(j)
+            if not self.swapper.is_on_the_way(part, tier):
+                self.swapper.prefetch(part, tier)
+            if tier == "device":
+                self._on_device.add(j)
         if self.schedule.pinned and window:  # resident units fill window places: read past them
             for j in self.schedule.read_ahead():
                 part = self.units[j].partition
-                if j not in window and part.state is Residency.NVME:
+                if j not in window and not self.swapper.is_on_the_way(part, "host"):
                     self.swapper.prefetch(part, "host")
 
     def reset_stats(self) -> None:

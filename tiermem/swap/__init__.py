@@ -3,11 +3,13 @@
 from tiermem.swap.layout import Layout, TensorSlot
 from tiermem.swap.ledger import Ledger, LedgerSnapshot
 from tiermem.swap.partition import Partition, StateError
-from tiermem.swap.state import Residency, Tier
+from tiermem.swap.state import DeviceState, HostState, Residency, Tier
 from tiermem.swap.swapper import CorruptDataError, SwapStats, TensorSwapper
 
 __all__ = [
     "CorruptDataError",
+    "DeviceState",
+    "HostState",
     "Layout",
     "Ledger",
     "LedgerSnapshot",

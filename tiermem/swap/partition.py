@@ -1,19 +1,26 @@
-"""Partition: one flat, 4 KiB-aligned buffer holding a group of tensors, with a home tier and a residency."""
+"""Partition: one flat, 4 KiB-aligned group of tensors with a home tier, and the transitions of its residency.
+
+The transitions here are the only code that changes where a partition's bytes are held, and each keeps
+the ledger as it goes (see [Note: residency] in state.py). The swapper calls them under its lock; other
+modules ask the swapper and never touch these fields.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
 
 from tiermem.errors import TiermemError
 from tiermem.swap.layout import Layout
-from tiermem.swap.state import Residency, Tier
+from tiermem.swap.state import DeviceState, HostState, Residency, Tier
 
 if TYPE_CHECKING:
-    from tiermem.io.buffers import PoolBuffer
+    from tiermem.io.buffers import HostBufferPool, PoolBuffer
     from tiermem.io.future import IOFuture
     from tiermem.store import Extent
+    from tiermem.swap.ledger import Ledger
 
 
 class StateError(TiermemError):
@@ -21,33 +28,35 @@ class StateError(TiermemError):
 
 
 class Partition:
-    """A group of tensors moved together. Create through `TensorSwapper.add`; move with its methods."""
+    """A group of tensors moved together. Create through `TensorSwapper.add`; move with the swapper."""
 
     def __init__(self, name: str, layout: Layout, home: Tier) -> None:
         self.name = name
         self.layout = layout
         self.home = home
-        self.state = Residency.NVME
-        self.host: PoolBuffer | None = None  # the host buffer while state.holds_host
-        self.device_data: torch.Tensor | None = None  # device storage on CUDA; None on the CPU
-        self.ready_event: object | None = None  # CUDA event of the last H2D copy, waited by compute
+        self.host_state = HostState.NONE
+        self.device_state = DeviceState.NONE
+        self.host: PoolBuffer | None = None  # the host buffer, while host_state is not NONE
+        self.device_data: torch.Tensor | None = None  # separate device memory (CUDA, copying device); else None
+        self.ready_event: object | None = None  # CUDA event of the last copy to the device, waited by compute
         self.extent: Extent | None = None  # where it rests on NVMe (home nvme only)
         self.checksum: int | None = None  # crc32 written with the NVMe copy when nvme.checksum is on
         self.dirty = False  # the host copy is newer than the NVMe copy (or there is no NVMe copy yet)
         self.version = 0  # bumped on every change of the host copy; a write-back is current only if equal
         self.written_version = -1  # `version` captured when the write in flight started
-        self.users = 0  # acquire() calls not yet released; a used partition is never evicted
+        self.holders: Counter[str] = Counter()  # acquire() not yet released, by tier ('host', 'device')
         self.prefetched = False  # fetched ahead and not acquired since: evicted only when nothing else can be
+        self.want_device = False  # a prefetch asked for the device: copy once the host bytes are in
         self.last_used = 0  # swapper clock at the last fetch or release, for LRU eviction
-        self.pending: IOFuture | None = None  # the one NVMe transfer in flight
+        self.pending: IOFuture | None = None  # the one NVMe transfer in flight (READING or WRITING)
         self.free_after_write = False  # the write in flight is an eviction: drop the host buffer after
-        self.waiters: list[tuple[str, IOFuture]] = []  # (target tier, future) waiting for a transfer
+        self.waiters: list[IOFuture] = []  # futures completing when the host bytes are in
         self.pinned = False  # kept in host memory between uses: evicted only when nothing else can be
         self.discarded = False  # contents dropped (TensorSwapper.discard): the next fetch gives zeros, no read
-        # the views `tensors()` made last, and the buffer they view: the same buffer gets the same views (a
+        # the views made last per tier, and the storage they view: the same buffer gives the same views (a
         # training step asks for every partition's views several times; making them costs more than the update
-        # of a small unit)
-        self._views: tuple[torch.Tensor | PoolBuffer, dict[str, torch.Tensor]] | None = None
+        # of a small unit). Dropping a tier's memory drops its views, so no view keeps freed memory alive.
+        self._views: dict[str, tuple[object, dict[str, torch.Tensor]]] = {}
 
     @property
     def size(self) -> int:
@@ -59,26 +68,108 @@ class Partition:
         """Bytes of tensor data."""
         return self.layout.nbytes
 
-    def reached(self, target: str) -> bool:
-        """Whether the bytes are usable in `target` ('host' or 'device') now."""
-        if target == "device":
-            return self.state is Residency.DEVICE
-        return self.state in (Residency.HOST, Residency.DEVICE, Residency.TO_DEVICE, Residency.WRITING)
+    @property
+    def users(self) -> int:
+        """acquire() calls not yet released, in any tier; a used partition is never evicted or demoted."""
+        return sum(self.holders.values())
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The partition's tensors as views of wherever its bytes are now (device first), by name."""
-        backing: torch.Tensor | PoolBuffer
-        if self.state is Residency.DEVICE and self.device_data is not None:
-            backing = self.device_data
-        elif self.host is None or self.state in (Residency.NVME, Residency.READING):
-            raise StateError(f"partition {self.name!r} is {self.state.value}; acquire or fetch it before using "
-                             "its tensors")
-        else:
-            backing = self.host
-        if self._views is None or self._views[0] is not backing:
+    @property
+    def state(self) -> Residency:
+        """Where the bytes are usable now, summarised (see [Note: residency] in state.py)."""
+        if self.device_state is DeviceState.READY:
+            return Residency.DEVICE
+        if self.device_state is DeviceState.COPYING:
+            return Residency.TO_DEVICE
+        return {HostState.NONE: Residency.NVME, HostState.READING: Residency.READING,
+                HostState.READY: Residency.HOST, HostState.WRITING: Residency.WRITING}[self.host_state]
+
+    def has_host_bytes(self) -> bool:
+        """The host buffer holds the partition's bytes (not still being read)."""
+        return self.host_state in (HostState.READY, HostState.WRITING)
+
+    def reached(self, tier: str) -> bool:
+        """Whether the bytes are usable in `tier` ('host' or 'device') now."""
+        if tier == "device":
+            return self.device_state is DeviceState.READY
+        return self.has_host_bytes()
+
+    # -- transitions (the swapper's lock held) ----------------------------------------------------------
+    def attach_host(self, buf: PoolBuffer, ledger: Ledger, state: HostState = HostState.READY) -> None:
+        """NONE -> `state` with `buf` as the host buffer; charges the host ledger."""
+        if self.host_state is not HostState.NONE:
+            raise StateError(f"partition {self.name!r} has a host buffer already")
+        ledger.add("host", self.size, f"partition {self.name!r}")
+        self.host = buf
+        self.host_state = state
+
+    def detach_host(self, pool: HostBufferPool, ledger: Ledger) -> None:
+        """Any -> NONE: the host buffer goes back to the pool; nothing when there is none."""
+        if self.host is None:
+            return
+        if self.device_state is not DeviceState.NONE and self.device_data is None:
+            raise StateError(f"partition {self.name!r}: its host buffer is its device copy; drop that first")
+        pool.free(self.host)
+        ledger.sub("host", self.size)
+        self.host = None
+        self.host_state = HostState.NONE
+        self._views.pop("host", None)
+
+    def reserve_device(self, ledger: Ledger) -> None:
+        """NONE -> COPYING: charges the device ledger (raises BudgetError over the budget)."""
+        if self.device_state is not DeviceState.NONE:
+            return
+        ledger.add("device", self.size, f"partition {self.name!r}")
+        self.device_state = DeviceState.COPYING
+
+    def commit_device(self, data: torch.Tensor | None, event: object | None) -> None:
+        """COPYING -> READY with the device memory made for it (None: the host buffer serves as device)."""
+        if self.device_state is not DeviceState.COPYING:
+            raise StateError(f"partition {self.name!r} is {self.state.value}, not copying to the device")
+        self.device_data = data
+        self.ready_event = event
+        self.device_state = DeviceState.READY
+
+    def drop_device(self, ledger: Ledger) -> None:
+        """Any -> NONE: forgets the device memory and its views, and uncharges it; nothing when there is none."""
+        if self.device_state is DeviceState.NONE:
+            return
+        ledger.sub("device", self.size)
+        self.device_state = DeviceState.NONE
+        self.device_data = None
+        self.ready_event = None
+        self._views.pop("device", None)
+
+    # -- views ----------------------------------------------------------------------------------------
+    def tensors(self, tier: str | None = None) -> dict[str, torch.Tensor]:
+        """The partition's tensors as views of its memory in `tier` ('host' or 'device'; default: the
+        device when it is there, else the host), by name."""
+        backing = self._backing(tier)
+        key = "device" if backing is self.device_data else "host"  # on the CPU device both are the host buffer
+        cached = self._views.get(key)
+        if cached is None or cached[0] is not backing:
             flat = backing if isinstance(backing, torch.Tensor) else backing.tensor()
-            self._views = (backing, self.layout.views(flat))
-        return dict(self._views[1])
+            cached = (backing, self.layout.views(flat))
+            self._views[key] = cached
+        return dict(cached[1])
+
+    def flat(self, tier: str | None = None) -> torch.Tensor:
+        """The whole partition as one uint8 tensor in `tier`'s memory (default as for `tensors`)."""
+        backing = self._backing(tier)
+        return backing if isinstance(backing, torch.Tensor) else backing.tensor()
+
+    def _backing(self, tier: str | None) -> torch.Tensor | PoolBuffer:
+        if tier is None:
+            tier = "device" if self.device_state is DeviceState.READY else "host"
+        if tier == "device" and self.device_state is DeviceState.READY:
+            if self.device_data is not None:
+                return self.device_data
+            assert self.host is not None  # the CPU device: the host buffer is the device copy
+            return self.host
+        if tier == "host" and self.has_host_bytes():
+            assert self.host is not None
+            return self.host
+        raise StateError(f"partition {self.name!r} is {self.state.value}; acquire or fetch it in {tier} memory "
+                         "before using its tensors")
 
     def __repr__(self) -> str:
         return f"Partition({self.name!r}, {self.size} bytes, home={self.home.value}, {self.state.value})"

@@ -1,17 +1,17 @@
-"""TensorSwapper: owns every partition's tier state and moves partitions between device, host and NVMe.
+"""TensorSwapper: the public face of the swapper. It owns every partition and moves partitions between the
+device, the host cache (host_cache.py) and NVMe; device copies go through a mover (transfers.py).
 
-# [Note: swapper locking]
-One re-entrant lock guards all partition states, the host pool and the ledger. Completions of NVMe
-transfers arrive on the engine's thread and take the same lock to advance the partition. Nothing
-blocks while holding the lock: a caller that must wait (for an eviction's write-back to free host
-memory, or for its own fetch) waits on a future after letting go of it, so waiting on one partition
-never stalls transfers of the others.
+See [Note: residency] in state.py for the states, [Note: host budget] and [Note: swapper locking] in
+host_cache.py for host memory and threads, and [Note: device budget] below.
 
-# [Note: host budget]
-All host memory for partitions comes from one HostBufferPool of memory.host_budget bytes, allocated
-once. When a fetch needs room, the least recently used idle partitions whose home is NVMe are
-evicted: dropped at once when their NVMe copy is current, written back first when dirty. A partition
-larger than the whole budget, or a budget full of partitions in use, raises BudgetError naming them.
+# [Note: device budget]
+With memory.device_budget set, the device ledger refuses to go over it: acquiring a partition first
+demotes idle device copies (least recently used first, those fetched ahead for the window last), and
+raises BudgetError naming the setting when the partitions in use leave no room. With null, the runtime
+derives a cap from the prefetch settings (`derive_device_cap`): prefetches stay under it, so the device
+holds the units in use plus the window; only acquisitions themselves (a model whose modules nest more
+units than the cap foresaw) may go past it. A prefetch never demotes a partition fetched ahead and not
+yet used: when there is no room it is skipped.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,23 +26,25 @@ from typing import Any
 import torch
 
 from tiermem.config import Config, load_config
-from tiermem.errors import BudgetError, StoreError
-from tiermem.io.buffers import HostBufferPool, PoolBuffer
-from tiermem.io.engine import IOEngine, create_engine
+from tiermem.device import resolve_device
+from tiermem.errors import BudgetError
+from tiermem.io.buffers import HostBufferPool
+from tiermem.io.engine import IOEngine
 from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size
 from tiermem.store import SwapStore
-from tiermem.swap.device import DeviceMover, resolve_device
+from tiermem.swap.host_cache import CorruptDataError, HostCache, done_future
 from tiermem.swap.layout import Layout
 from tiermem.swap.ledger import Ledger, LedgerSnapshot
 from tiermem.swap.partition import Partition, StateError
-from tiermem.swap.state import Residency, Tier
+from tiermem.swap.state import DeviceState, HostState, Tier
+from tiermem.swap.transfers import make_mover
 
 log = logging.getLogger(__name__)
 
+__all__ = ["CorruptDataError", "SwapStats", "TensorSwapper"]
 
-class CorruptDataError(StoreError):
-    """Bytes read back from NVMe do not match the checksum written with them."""
+TIERS = ("host", "device")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,31 @@ class SwapStats:
     bytes_written: int
     evictions: int
     partitions: int
+
+
+class _DeviceFetch(IOFuture):
+    """A fetch to the device: the host read, then the copy to the device made by whoever waits (the compute
+    thread; see [Note: device copies] in transfers.py)."""
+
+    def __init__(self, swapper: TensorSwapper, part: Partition, host: IOFuture) -> None:
+        super().__init__(part.size, 1)
+        self._swapper = swapper
+        self._part = part
+        self._host = host
+
+    def done(self) -> bool:
+        return self._part.reached("device") or super().done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not super().done():
+            try:
+                self._host.wait(timeout)
+                self._swapper._to_device(self._part, prefetch=False)
+            except BaseException as exc:
+                self._chunk_done(exc)
+                raise
+            self._chunk_done(None)
+        return super().wait(timeout)
 
 
 class TensorSwapper:
@@ -80,72 +106,74 @@ class TensorSwapper:
         self.config = load_config(config, **overrides)
         cfg = self.config
         self.device = resolve_device(cfg.device)
-        self.mover = DeviceMover(self.device)
-        self._lock = threading.RLock()
+        self.mover = make_mover(self.device)  # device copies: none on the CPU, a side stream on CUDA
+        self._lock = threading.RLock()  # see [Note: swapper locking] in host_cache.py
         self._clock = 0  # advances on every fetch/release; orders LRU eviction
         self.partitions: dict[str, Partition] = {}  # by name, in insertion order
+        self.ledger = Ledger(host_budget=None, device_budget=cfg.memory.device_budget)
         # every partition's host bytes come from here; the activations' buffer is the budget's other part
-        self.pool = HostBufferPool(cfg.memory.host_budget - cfg.activations.host_bytes)
-        self.ledger = Ledger(host_budget=self.pool.nbytes, device_budget=cfg.memory.device_budget)
-        self._engine: IOEngine | None = engine  # made on first NVMe use unless given
-        self._own_engine = engine is None  # close it on close() only if we made it
-        # Registering the pool with the engine faults in (and pins) every page of it at once; `tiered_offload`
-        # defers that until the model's own parameters are packed and freed, so the two never add up.
-        self.defer_registration = False
-        self._pool_registered = False
-        self._store: SwapStore | None = None  # made on first NVMe use
-        self.bytes_read = 0
-        self.bytes_written = 0
-        self.evictions = 0
+        pool = HostBufferPool(cfg.memory.host_budget - cfg.activations.host_bytes)
+        self.ledger.budget["host"] = pool.nbytes
+        self.cache = HostCache(cfg, self._lock, self.partitions, self.ledger, pool, self.mover, engine)
+        self.device_cap: int | None = cfg.memory.device_budget  # explicit, or derived by the runtime
+        self._want_device: dict[str, Partition] = {}  # prefetched to the device, waiting for their host bytes
+        if not self.mover.copies:
+            self.cache.on_read = self._read_to_shared_device
         self.closed = False
-        # Optional: how soon a partition is needed again (larger = later). With it, eviction drops the
-        # partition needed last (the runtime knows the schedule); without it, the least recently used.
-        self.next_use: Callable[[Partition], float] | None = None
 
+    # -- what the rest of tiermem asks ------------------------------------------------------------------
     @property
-    def budget_text(self) -> str:
-        """The host budget partitions share, as error messages name it."""
-        size = format_size(self.pool.nbytes)
-        if self.config.activations.host_bytes:
-            return f"memory.host_budget less activations.buffer ({size})"
-        return f"memory.host_budget ({size})"
+    def pool(self) -> HostBufferPool:
+        return self.cache.pool
 
-    # -- NVMe resources, made lazily so host-only configs never touch a disk --------------------------
     @property
     def engine(self) -> IOEngine:
         """The I/O engine (io.* settings), made on first use; the host pool is registered with it."""
-        with self._lock:
-            if self._engine is None:
-                io = self.config.io
-                self._engine = create_engine(io.engine, block_size=io.block_size, queue_depth=io.queue_depth,
-                                             sqpoll=io.sqpoll)
-                if not self.defer_registration:
-                    self.register_pool()
-            return self._engine
-
-    def register_pool(self) -> None:
-        """Register the host pool with the engine this swapper made (fixed buffers), once."""
-        with self._lock:
-            self.defer_registration = False
-            if self._engine is None or not self._own_engine or self._pool_registered:
-                return
-            self._pool_registered = True
-            engine = self._engine
-        # not under the lock: the engine's thread may need it to finish a write first (_write_done)
-        engine.register_buffers(self.pool.regions)
+        return self.cache.engine
 
     @property
     def store(self) -> SwapStore:
-        with self._lock:
-            return self._store or self._open_store()
+        return self.cache.store
 
-    def _open_store(self) -> SwapStore:
-        if self._store is None:
-            io = self.config.io
-            nv = self.config.nvme
-            self._store = SwapStore(list(nv.paths), self.engine, stripe_size=nv.stripe_size,
-                                    keep_files=nv.keep_files, direct=io.direct)
-        return self._store
+    @property
+    def budget_text(self) -> str:
+        return self.cache.budget_text
+
+    @property
+    def defer_registration(self) -> bool:
+        return self.cache.defer_registration
+
+    @defer_registration.setter
+    def defer_registration(self, value: bool) -> None:
+        self.cache.defer_registration = value
+
+    def register_pool(self) -> None:
+        """Pin (CUDA) and register the host pool with the engine this swapper made, once."""
+        self.cache.register_pool()
+
+    @property
+    def next_use(self) -> Callable[[Partition], float] | None:
+        return self.cache.next_use
+
+    @next_use.setter
+    def next_use(self, fn: Callable[[Partition], float] | None) -> None:
+        self.cache.next_use = fn
+
+    def is_on_the_way(self, part: Partition, tier: str = "device") -> bool:
+        """Whether `part` is usable in `tier` now, or a transfer toward it has started."""
+        with self._lock:
+            if tier == "device":
+                return part.device_state is not DeviceState.NONE or part.want_device
+            return part.host_state is not HostState.NONE
+
+    def derive_device_cap(self, largest_unit: int, window_bytes: int) -> None:
+        """Cap the device at what stays there for good, plus two units in use and the window, when
+        memory.device_budget is null (see [Note: device budget])."""
+        if self.config.memory.device_budget is not None:
+            return
+        with self._lock:
+            fixed = sum(p.size for p in self.partitions.values() if p.home is Tier.DEVICE)
+            self.device_cap = fixed + 2 * largest_unit + window_bytes
 
     # -- partitions ---------------------------------------------------------------------------------
     def add(self, name: str, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -154,13 +182,15 @@ class TensorSwapper:
         """Pack `tensors` (copied) into a new partition resting in `home` ('device', 'cpu' or 'nvme').
 
         With `fill`, `tensors` only give names, dtypes and shapes (meta tensors will do) and
-        `fill(views)` writes the data into the partition's views instead. `zero` clears the whole
+        `fill(views)` writes the data into the partition's host views instead. `zero` clears the whole
         buffer first, padding included (so flat views over it hold zeros between tensors); with `zero`
-        and no `fill`, `tensors` only give the layout. An NVMe
-        partition starts on host, dirty, and is written out when evicted or on `flush()`.
+        and no `fill`, `tensors` only give the layout. An NVMe partition starts on host, dirty, and is
+        written out when evicted or on `flush()`; a device one is filled on the host, then copied.
         """
         if self.closed:
             raise StateError("the swapper is closed")
+        if self.device.type == "cuda" and not self.defer_registration:
+            self.pool.pin()  # for asynchronous copies; tiered_offload pins later, in register_pool
         items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
         try:
             tier = Tier(home)
@@ -169,29 +199,31 @@ class TensorSwapper:
         with self._lock:
             if name in self.partitions:
                 raise ValueError(f"a partition named {name!r} exists already")
-        layout = Layout.of(items)
-        part = Partition(name, layout, tier)
+        part = Partition(name, Layout.of(items), tier)
         if tier is Tier.NVME:
-            part.extent = self.store.allocate(layout.size)
+            part.extent = self.store.allocate(part.size)
         try:
-            views = self._place_new(part)
-        except BaseException:
-            if part.extent is not None:
-                self.store.free(part.extent)
-            raise
-        try:
+            buf = self.cache.alloc(part)
+            with self._lock:
+                part.attach_host(buf, self.ledger)
+            views = part.tensors("host")
             with torch.no_grad():
                 if zero:
-                    self.flat(part).zero_()
+                    part.flat("host").zero_()
                 if fill is not None:
                     fill(views)
                 elif not zero:
                     for slot_name, t in items:
                         views[slot_name].copy_(t.detach())
+            if tier is Tier.DEVICE:
+                self._to_device(part, prefetch=False)
+                if self.mover.copies:  # the device copy is the partition now: the host one goes
+                    with self._lock:
+                        part.detach_host(self.pool, self.ledger)
         except BaseException:
             with self._lock:
-                self._drop_device(part)
-                self._free_host(part)
+                part.drop_device(self.ledger)
+                part.detach_host(self.pool, self.ledger)
                 if part.extent is not None:
                     self.store.free(part.extent)
             raise
@@ -202,30 +234,9 @@ class TensorSwapper:
             self.partitions[name] = part
         return part
 
-    def _place_new(self, part: Partition) -> dict[str, torch.Tensor]:
-        """Give a new partition its memory in its first tier; return the tensor views to fill."""
-        tier, layout, name = part.home, part.layout, part.name
-        if tier is Tier.DEVICE and self.mover.copies:
-            self._charge_device(part)
-            part.device_data = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
-            views = layout.views(part.device_data)
-            part.state = Residency.DEVICE
-        else:
-            part.host = self._alloc_host(part)
-            self.ledger.add("host", part.size, name)
-            if tier is Tier.DEVICE:
-                self._charge_device(part)
-            part.state = Residency.DEVICE if tier is Tier.DEVICE else Residency.HOST
-            views = layout.views(part.host.tensor())
-        return views
-
-    def flat(self, part: Partition) -> torch.Tensor:
-        """The whole partition as one uint8 tensor where its bytes are now (device first)."""
-        if part.state is Residency.DEVICE and part.device_data is not None:
-            return part.device_data
-        if part.host is None:
-            raise StateError(f"partition {part.name!r} is {part.state.value}; fetch it first")
-        return part.host.tensor()
+    def flat(self, part: Partition, tier: str | None = None) -> torch.Tensor:
+        """The whole partition as one uint8 tensor in `tier`'s memory (default: the device when it is there)."""
+        return part.flat(tier)
 
     def remove(self, part: Partition) -> None:
         """Forget a partition and give back its memory and swap space."""
@@ -233,58 +244,86 @@ class TensorSwapper:
         with self._lock:
             if part.users:
                 raise StateError(f"partition {part.name!r} is in use ({part.users} acquire without release)")
-            self._drop_device(part)
-            if part.host is not None:
-                self._free_host(part)
+            part.drop_device(self.ledger)
+            part.detach_host(self.pool, self.ledger)
             if part.extent is not None:
                 self.store.free(part.extent)
                 part.extent = None
-            part.state = Residency.NVME
+            self._want_device.pop(part.name, None)
             del self.partitions[part.name]
 
     # -- moving -------------------------------------------------------------------------------------
     def fetch(self, part: Partition, tier: str = "device", *, wait_for_memory: bool = True) -> IOFuture:
         """Start moving `part` up to `tier` ('host' or 'device'); return a future that completes there.
 
-        `wait_for_memory=False` raises BudgetError at once instead of waiting for write-backs or reads
-        in flight to free host memory (what a prefetch wants: never stall the caller).
+        The copy to the device is made by the thread that waits on the future (or by `acquire`/`prefetch`
+        once the host bytes are in). `wait_for_memory=False` raises BudgetError at once instead of waiting
+        for write-backs or reads in flight to free host memory (what a prefetch wants: never stall).
         """
-        if tier not in ("host", "device"):
-            raise ValueError(f"tier: expected 'host' or 'device', got {tier!r}")
+        _check_tier(tier)
+        if tier == "device" and part.reached("device"):
+            return done_future()
+        host = self._fetch_host(part, wait_for_memory)
+        return _DeviceFetch(self, part, host) if tier == "device" else host
+
+    def _fetch_host(self, part: Partition, wait_for_memory: bool) -> IOFuture:
         with self._lock:
             self._clock += 1
             part.last_used = self._clock
             fut = IOFuture(part.size, 1)
-            if part.reached(tier):
+            if part.reached("host"):
                 fut._chunk_done(None)
                 return fut
-            part.waiters.append((tier, fut))
-            need_buffer = part.state is Residency.NVME
+            part.waiters.append(fut)
+            need_buffer = part.host_state is HostState.NONE
         if need_buffer:
             try:
-                buf = self._alloc_host(part, wait=wait_for_memory)  # may evict others, wait for write-backs
+                buf = self.cache.alloc(part, wait=wait_for_memory)  # may evict others, wait for write-backs
             except BaseException:
                 with self._lock:
-                    part.waiters = [(t, f) for t, f in part.waiters if f is not fut]
+                    part.waiters = [f for f in part.waiters if f is not fut]
                 raise
             with self._lock:
-                if part.state is Residency.NVME and part.host is None:
-                    part.host = buf
-                    self.ledger.add("host", part.size, part.name)
+                if part.host_state is HostState.NONE:
+                    self.cache.fill(part, buf)
                 else:
                     self.pool.free(buf)  # another fetch got there first
-        with self._lock:
-            self._drive(part)
         return fut
 
     def prefetch(self, part: Partition, tier: str = "device") -> IOFuture | None:
-        """Start a fetch that never blocks: None (nothing started) when host memory is not free now."""
+        """Start a fetch that never blocks: None (nothing started) when host memory is not free now.
+
+        Toward the device, the copy starts now if the host bytes are in, else at the next `acquire` or
+        `prefetch` after they arrive; it is skipped when the device has no room (see [Note: device budget]).
+        """
+        _check_tier(tier)
+        if tier == "device" and part.reached("device"):
+            return done_future()
         try:
-            fut = self.fetch(part, tier, wait_for_memory=False)
+            fut = self._fetch_host(part, wait_for_memory=False)
         except BudgetError:
             return None
-        part.prefetched = True
+        with self._lock:
+            part.prefetched = True
+            if tier == "device":
+                part.want_device = True
+                self._want_device[part.name] = part
+        self.pump()
         return fut
+
+    def pump(self) -> None:
+        """Start the device copies of prefetched partitions whose host bytes have arrived (compute thread)."""
+        with self._lock:
+            ready = [p for p in self._want_device.values() if p.has_host_bytes() or not p.want_device]
+            for p in ready:
+                del self._want_device[p.name]
+        for p in ready:
+            if p.want_device:
+                p.want_device = False
+                try:
+                    self._to_device(p, prefetch=True)
+                except Exception as exc:  # noqa: BLE001 - a prefetch is a hint: the acquire retries and reports
+                    log.warning("prefetching partition %r to %s failed: %s", p.name, self.device, exc)
 
     def acquire(self, part: Partition, tier: str = "device",
                 before_wait: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
@@ -293,85 +332,102 @@ class TensorSwapper:
         `before_wait` runs once `part` is marked in use (so nothing evicts it) and its transfer has
         started, before blocking: the place to start other transfers that should overlap this one.
         """
-        fut = self.fetch(part, tier)
+        _check_tier(tier)
+        self.pump()
+        fut = None if tier == "device" and part.reached("device") else self._fetch_host(part, True)
         with self._lock:
-            part.users += 1  # counted before waiting, so eviction cannot take it from under us
+            part.holders[tier] += 1  # counted before waiting, so eviction cannot take it from under us
             part.prefetched = False
         try:
             if before_wait is not None:
                 before_wait()
-            fut.wait()
+            if fut is not None:
+                fut.wait()
+            if tier == "device":
+                self._to_device(part, prefetch=False)
         except BaseException:
             with self._lock:
-                part.users -= 1
+                part.holders[tier] -= 1
             raise
-        self.mover.make_current_wait(part.ready_event)
-        if part.device_data is not None and self.mover.copies:
-            # allocated on the side stream, used on the compute stream: the caching allocator must not
-            # hand this memory out again before the compute stream is done with it
-            part.device_data.record_stream(torch.cuda.current_stream(self.device))
-        return part.tensors()
+        if tier == "device" and part.device_data is not None:
+            self.mover.use_on_compute(part.device_data, part.ready_event)
+        return part.tensors(tier)
 
-    def release(self, part: Partition, *, dirty: bool = False, keep: bool = False) -> None:
-        """End one use. `dirty`: its tensors changed and must reach its home tier when evicted.
+    def release(self, part: Partition, *, dirty: bool = False, keep: bool = False, tier: str | None = None) -> None:
+        """End one use in `tier` (default: the only tier it is held in). `dirty`: its tensors changed there.
 
-        When nobody uses it any more, it leaves the device (its home tier permitting) unless `keep`
+        A change on the device is copied back to the host copy; a change on the host refreshes a device
+        copy. When nobody uses it any more, it leaves the device (its home tier permitting) unless `keep`
         (it is needed again soon), and stays on host as a cache until the host budget needs the room.
         """
+        self.pump()  # the window's copies start while the released unit's kernels may still run (CUDA)
         with self._lock:
-            if part.users <= 0:
-                raise StateError(f"partition {part.name!r} released more often than acquired")
-            part.users -= 1
+            held = [t for t in TIERS if part.holders[t] > 0]
+            if tier is None:
+                if len(held) > 1:
+                    raise StateError(f"partition {part.name!r} is held in {' and '.join(held)}; say which tier "
+                                     "release() ends")
+                tier = held[0] if held else "device"
+            if part.holders[tier] <= 0:
+                raise StateError(f"partition {part.name!r} released more often than acquired (in {tier} memory)")
+            device, host = part.device_data, part.host
+        if dirty:  # the copy outside the lock: the partition is still held, so nothing moves it meanwhile
+            if tier == "device" and device is not None and host is not None:
+                self.mover.synchronize(self.mover.to_host(device, host.tensor()))
+            elif tier == "host" and device is not None and host is not None:
+                part.ready_event = self.mover.to_device_into(host.tensor(), device)
+        with self._lock:
+            part.holders[tier] -= 1
             self._clock += 1
             part.last_used = self._clock
             if dirty:
-                if part.state is Residency.DEVICE and part.device_data is not None and part.host is not None:
-                    self.mover.synchronize(self.mover.to_host(part.device_data, part.host.tensor()))
                 part.dirty = part.home is Tier.NVME
                 part.version += 1  # a write-back in flight now carries older bytes: it must not clear dirty
-            if part.users == 0 and part.home is not Tier.DEVICE and not keep:
-                self._demote_to_host(part)
+            if part.users == 0:
+                if part.home is Tier.DEVICE:
+                    if part.device_data is not None:  # the device copy is the partition; the host one was a loan
+                        part.detach_host(self.pool, self.ledger)
+                elif not keep:
+                    part.drop_device(self.ledger)
 
     def demote(self, part: Partition) -> None:
         """Move an idle partition off the device (to host); nothing happens if it is in use or not there."""
         with self._lock:
             if not part.users and part.home is not Tier.DEVICE:
-                self._demote_to_host(part)
+                part.drop_device(self.ledger)
+                part.want_device = False
 
     def evict(self, part: Partition) -> IOFuture:
         """Move an idle partition down to its home tier (writing it back if dirty); return the future."""
         with self._lock:
             if part.users:
                 raise StateError(f"partition {part.name!r} is in use; release it before evicting")
-            if part.state is Residency.DEVICE and part.home is not Tier.DEVICE:
-                self._demote_to_host(part)
-            if part.home is not Tier.NVME or part.state is not Residency.HOST:
-                fut = IOFuture(0, 1)
-                pending = part.pending
-                if pending is None:
-                    fut._chunk_done(None)
-                    return fut
-                return pending
-            return self._start_eviction(part)
+            if part.home is not Tier.DEVICE:
+                part.drop_device(self.ledger)
+                part.want_device = False
+            if part.home is not Tier.NVME or part.host_state is not HostState.READY:
+                return part.pending or done_future()
+            return self.cache.start_eviction(part)
 
     def flush(self) -> None:
         """Write every dirty NVMe partition on host back to disk (they stay cached) and wait."""
         futures = []
         with self._lock:
             for part in self.partitions.values():
-                if part.home is Tier.NVME and part.dirty and part.state is Residency.HOST:
-                    futures.append(self._start_write(part, free_after=False))
+                if part.home is Tier.NVME and part.dirty and part.host_state is HostState.READY:
+                    futures.append(self.cache.start_write(part, free_after=False))
         for f in futures:
             f.wait()
-        if self._store is not None:
-            self._store.flush()
+        store = self.cache.store_if_open
+        if store is not None:
+            store.flush()
 
     def evict_idle(self) -> None:
         """Evict every idle NVMe partition (writing back the dirty ones) and wait: the host pool is then as
         empty as it can be, e.g. before placing long-lived partitions so they pack together."""
         with self._lock:
             idle = [p for p in self.partitions.values() if p.home is Tier.NVME and not p.users and not p.waiters
-                    and p.state in (Residency.HOST, Residency.DEVICE)]
+                    and p.host_state is HostState.READY]
         for part in idle:
             self.evict(part).wait()
 
@@ -383,17 +439,16 @@ class TensorSwapper:
         with self._lock:
             if part.users or part.waiters:
                 raise StateError(f"partition {part.name!r} is in use; release it before discarding it")
-            self._drop_device(part)
-            self._free_host(part)
-            part.state = Residency.NVME
+            part.drop_device(self.ledger)
+            part.detach_host(self.pool, self.ledger)
             part.discarded = True
             part.dirty = False
-            part.prefetched = False
+            part.prefetched = part.want_device = False
             part.checksum = None
             part.version += 1
 
     def wait_idle(self, part: Partition) -> None:
-        """Block until `part` has no transfer in flight."""
+        """Block until `part` has no NVMe transfer in flight."""
         while True:
             with self._lock:
                 pending = part.pending
@@ -404,238 +459,109 @@ class TensorSwapper:
             except Exception:  # noqa: BLE001 - the owner of that transfer reports its error
                 pass
 
-    # -- state machine (lock held) ------------------------------------------------------------------
-    def _drive(self, part: Partition) -> None:
-        """Advance `part` toward its waiters' targets and complete the waiters it has reached."""
-        if part.state is Residency.NVME and part.waiters and part.host is not None:
-            if part.discarded:  # nothing to read: the contents are zeros
-                part.host.tensor().zero_()
-                part.discarded = False
-                part.dirty = part.home is Tier.NVME
-                part.state = Residency.HOST
-            else:
-                self._start_read(part)
-        if part.state is Residency.HOST and any(t == "device" for t, _ in part.waiters):
-            try:
-                self._to_device(part)
-            except BudgetError as exc:
-                self._fail_waiters(part, exc)
-                return
-        done = [(t, f) for t, f in part.waiters if part.reached(t)]
-        if done:
-            part.waiters = [(t, f) for t, f in part.waiters if not part.reached(t)]
-            for _, f in done:
-                f._chunk_done(None)
+    # -- the device (compute thread; see [Note: device copies] in transfers.py) -----------------------
+    def _to_device(self, part: Partition, *, prefetch: bool) -> bool:
+        """Copy `part`'s host bytes to the device unless it is there; False when a prefetch found no room.
 
-    def _fail_waiters(self, part: Partition, error: BaseException) -> None:
-        waiters, part.waiters = part.waiters, []
-        for _, f in waiters:
-            f._chunk_done(error)
-
-    def _start_read(self, part: Partition) -> None:
-        assert part.extent is not None and part.host is not None
-        part.state = Residency.READING
-        fut = self.store.read(part.extent, part.host.view, part.size)
-        part.pending = fut
-        fut.add_done_callback(lambda f: self._read_done(part, f))
-
-    def _read_done(self, part: Partition, fut: IOFuture) -> None:
+        The device ledger is charged before the memory is allocated (a reservation), and the charge is taken
+        back if the allocation or the copy fails; the error goes to the caller.
+        """
         with self._lock:
-            part.pending = None
-            error = fut.exception()
-            if error is None and part.checksum is not None and part.host is not None:
-                got = zlib.crc32(part.host.view[: part.nbytes])
-                if got != part.checksum:
-                    error = CorruptDataError(
-                        f"partition {part.name!r}: bytes read from {', '.join(self.store.run_dirs)} do not match "
-                        f"their checksum ({got:#010x} != {part.checksum:#010x}); the swap files were changed or "
-                        "the drive returned bad data. Check the drive (dmesg, smartctl) and rerun"
-                    )
-            if error is not None:
-                self._free_host(part)
-                part.state = Residency.NVME
-                self._fail_waiters(part, error)
-                return
-            self.bytes_read += part.size
-            part.state = Residency.HOST
-            self._drive(part)
-
-    def _start_write(self, part: Partition, *, free_after: bool) -> IOFuture:
-        assert part.extent is not None and part.host is not None
-        if self.config.nvme.checksum:
-            part.checksum = zlib.crc32(part.host.view[: part.nbytes])
-        before = part.state
-        part.state = Residency.WRITING
-        part.free_after_write = free_after
-        part.written_version = part.version
-        raw = self.store.write(part.extent, part.host.view, part.size)
-        # what callers wait on completes after _write_done has recorded the write, not when the bytes land
-        done = IOFuture(raw.nbytes, 1)
-        part.pending = done
-        raw.add_done_callback(lambda f: self._write_done(part, f, before, done))
-        return done
-
-    def _write_done(self, part: Partition, fut: IOFuture, before: Residency, done: IOFuture) -> None:
-        error = fut.exception()
+            if part.device_state is DeviceState.READY:
+                return True
+            if not part.has_host_bytes():
+                raise StateError(f"partition {part.name!r} is {part.state.value}; its host bytes are not in")
+            if not self._make_device_room(part, prefetch=prefetch):
+                return False
+            part.reserve_device(self.ledger)
+            host = part.host
+            assert host is not None
         try:
+            data, event = self.mover.to_device(host.tensor()) if self.mover.copies else (None, None)
+        except BaseException:
             with self._lock:
-                part.pending = None
-                if error is not None:  # the host copy is still there and still dirty: nothing is lost
-                    log.error("write-back of partition %r failed: %s", part.name, error)
-                    part.state = before
-                    self._drive(part)
-                    return
-                self.bytes_written += part.size
-                part.dirty = part.version != part.written_version  # changed while the write was in flight
-                if part.free_after_write and not part.waiters and not part.users and not part.dirty:
-                    self._free_host(part)
-                    part.state = Residency.NVME
-                    self.evictions += 1
-                else:
-                    part.state = before
-                self._drive(part)
-        finally:
-            done._chunk_done(error)
+                part.drop_device(self.ledger)
+            raise
+        with self._lock:
+            part.commit_device(data, event)
+        return True
 
-    def _start_eviction(self, part: Partition) -> IOFuture:
-        part.prefetched = False
-        if part.dirty:
-            return self._start_write(part, free_after=True)
-        self._free_host(part)
-        part.state = Residency.NVME
-        self.evictions += 1
-        fut = IOFuture(0, 1)
-        fut._chunk_done(None)
-        return fut
+    def _read_to_shared_device(self, part: Partition) -> None:
+        """On a device whose memory is the host's, a prefetch reaches the device when its read does: no byte
+        moves, only the ledger counts it (lock held; the engine's thread may run this)."""
+        if part.want_device and part.device_state is DeviceState.NONE and self._make_device_room(part, prefetch=True):
+            part.reserve_device(self.ledger)
+            part.commit_device(None, None)
+        part.want_device = False
 
-    def _to_device(self, part: Partition) -> None:
-        assert part.host is not None
-        self._make_device_room(part)
-        self._charge_device(part)
-        if self.mover.copies:
-            part.device_data, part.ready_event = self.mover.to_device(part.host.tensor())
-        part.state = Residency.DEVICE
-
-    def _demote_to_host(self, part: Partition) -> None:
-        if part.state is not Residency.DEVICE:
-            return
-        self._drop_device(part)
-        part.state = Residency.HOST
-
-    def _drop_device(self, part: Partition) -> None:
-        if part.state.on_device:
-            self.ledger.sub("device", part.size)
-        part.device_data = None
-        part.ready_event = None
-
-    def _charge_device(self, part: Partition) -> None:
-        self.ledger.add("device", part.size, f"partition {part.name!r}")
-
-    def _make_device_room(self, part: Partition) -> None:
-        budget = self.ledger.budget["device"]
-        if budget is None:
-            return
-        if part.size > budget:
+    def _make_device_room(self, part: Partition, *, prefetch: bool) -> bool:
+        """Demote idle device copies until `part` fits the cap; see [Note: device budget]. Lock held."""
+        cap = self.device_cap
+        explicit = self.config.memory.device_budget is not None
+        if cap is None:
+            return True
+        if part.size > cap and explicit:
             raise BudgetError(f"partition {part.name!r} needs {format_size(part.size)} on the device, more than "
-                              f"memory.device_budget ({format_size(budget)}); raise the budget or use smaller units")
-        idle = sorted((p for p in self.partitions.values() if p.state is Residency.DEVICE and not p.users
-                       and p.home is not Tier.DEVICE and p is not part), key=lambda p: p.last_used)
-        while self.ledger.now("device") + part.size > budget and idle:
-            self._demote_to_host(idle.pop(0))
-        if self.ledger.now("device") + part.size > budget:
+                              f"memory.device_budget ({format_size(cap)}); raise the budget or use smaller units")
+        idle = sorted((p for p in self.partitions.values() if p.device_state is DeviceState.READY and not p.users
+                       and p.home is not Tier.DEVICE and p is not part and not (prefetch and p.prefetched)),
+                      key=lambda p: (p.prefetched, p.last_used))
+        while self.ledger.now("device") + part.size > cap and idle:
+            idle.pop(0).drop_device(self.ledger)
+        if self.ledger.now("device") + part.size <= cap:
+            return True
+        if prefetch:
+            return False
+        if explicit:
             raise BudgetError(
                 f"partition {part.name!r} ({format_size(part.size)}) does not fit memory.device_budget "
-                f"({format_size(budget)}): {format_size(self.ledger.now('device'))} is held by partitions in use; "
+                f"({format_size(cap)}): {format_size(self.ledger.now('device'))} is held by partitions in use; "
                 "release them first or raise the budget"
             )
-
-    # -- host memory --------------------------------------------------------------------------------
-    def _free_host(self, part: Partition) -> None:
-        if part.host is not None:
-            self.pool.free(part.host)
-            self.ledger.sub("host", part.size)
-            part.host = None
-
-    def _alloc_host(self, part: Partition, *, wait: bool = True) -> PoolBuffer:
-        """A host buffer for `part`, evicting LRU idle NVMe partitions (and waiting for write-backs)."""
-        budget = self.pool.nbytes
-        if part.size > budget:
-            raise BudgetError(
-                f"partition {part.name!r} needs {format_size(part.size)} of host memory, more than the whole "
-                f"{self.budget_text}; raise memory.host_budget or split the model into "
-                "smaller units"
-            )
-        while True:
-            with self._lock:
-                try:
-                    return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.pinned)
-                except BudgetError:
-                    pass
-                victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
-                                  and p.state in (Residency.HOST, Residency.DEVICE) and not p.users
-                                  and not p.waiters), key=self._eviction_key)
-                if victims:
-                    self._demote_to_host(victims[0])  # a prefetched partition nobody acquired yet
-                    wait_for = self._start_eviction(victims[0])
-                else:
-                    busy = [p for p in self.partitions.values() if p.pending is not None]
-                    if not busy:
-                        held = [p.name for p in self.partitions.values() if p.host is not None]
-                        raise BudgetError(
-                            f"partition {part.name!r} needs {format_size(part.size)} of host memory but "
-                            f"{self.budget_text} is held by partitions in use or homed on "
-                            f"host ({', '.join(held[:8])}{'...' if len(held) > 8 else ''}); release some, or "
-                            "raise memory.host_budget"
-                        )
-                    wait_for = busy[0].pending  # type: ignore[assignment]
-                if not wait and not wait_for.done():
-                    raise BudgetError(f"no host memory free now for partition {part.name!r}")
-            try:
-                wait_for.wait()  # without the lock: the completion needs it
-            except Exception as exc:  # a failed write-back keeps its data; report it to this caller
-                raise StoreError(f"could not free host memory for partition {part.name!r}: {exc}") from exc
-
-    def _eviction_key(self, part: Partition) -> tuple[bool, bool, float, int]:
-        """Sort key of eviction candidates: pinned ones last, then prefetched-and-not-yet-used ones; among
-        the rest the one needed last first, then the least recently used."""
-        later = -self.next_use(part) if self.next_use is not None else 0.0
-        return (part.pinned, part.prefetched, later, part.last_used)
+        return True
 
     # -- reporting and teardown ---------------------------------------------------------------------
     def stats(self) -> SwapStats:
         with self._lock:
             snap = self.ledger.snapshot()
-            snap.now["nvme"] = self._store.used if self._store else 0
-            snap.peak["nvme"] = self._store.peak if self._store else 0
-            return SwapStats(snap, self.bytes_read, self.bytes_written, self.evictions, len(self.partitions))
+            store = self.cache.store_if_open
+            snap.now["nvme"] = store.used if store else 0
+            snap.peak["nvme"] = store.peak if store else 0
+            c = self.cache
+            return SwapStats(snap, c.bytes_read, c.bytes_written, c.evictions, len(self.partitions))
 
     def reset_stats(self) -> None:
         with self._lock:
             self.ledger.reset_peaks()
-            self.bytes_read = self.bytes_written = self.evictions = 0
-            if self._store is not None:
-                self._store.peak = self._store.used
+            self.cache.bytes_read = self.cache.bytes_written = self.cache.evictions = 0
+            store = self.cache.store_if_open
+            if store is not None:
+                store.peak = store.used
 
     def close(self) -> None:
-        """Wait for transfers in flight, then release host memory, swap files and the engine."""
+        """Wait for transfers in flight (NVMe and device), then release memory, swap files and the engine."""
         if self.closed:
             return
         for part in list(self.partitions.values()):
             self.wait_idle(part)
+        self.mover.close()  # copies on the side stream read or write the pool: they end before it goes
         self.closed = True
         with self._lock:
             for part in self.partitions.values():
+                part.drop_device(self.ledger)
                 part.host = None
-                part.device_data = None
+                part.host_state = HostState.NONE
             self.partitions.clear()
-        if self._store is not None:
-            self._store.close()
-        if self._engine is not None and self._own_engine:
-            self._engine.close()
-        self.pool.close()
+            self._want_device.clear()
+        self.cache.close()
 
     def __enter__(self) -> TensorSwapper:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_tier(tier: str) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"tier: expected 'host' or 'device', got {tier!r}")

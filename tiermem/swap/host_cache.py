@@ -1,0 +1,270 @@
+"""The host cache: one pool of host memory for every partition, NVMe reads into it, write-back and eviction.
+
+# [Note: host budget]
+All host memory for partitions comes from one HostBufferPool of memory.host_budget bytes (less the
+activations' buffer), allocated once. When a fetch needs room, the idle partitions whose home is NVMe are
+evicted, the one needed last first (the runtime knows the schedule; else the least recently used):
+dropped at once when their NVMe copy is current, written back first when dirty. A partition larger than
+the whole budget, or a budget full of partitions in use, raises BudgetError naming them.
+
+# [Note: swapper locking]
+One re-entrant lock (the swapper's) guards all partition states, the pool and the ledger. Completions of
+NVMe transfers arrive on the engine's thread and take the same lock to advance the partition's host state;
+they never touch device memory. Nothing blocks while holding the lock: a caller that must wait (for an
+eviction's write-back to free host memory, or for its own fetch) waits on a future after letting go of it,
+so waiting on one partition never stalls transfers of the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tiermem.config import Config
+from tiermem.errors import BudgetError, StoreError
+from tiermem.io.buffers import HostBufferPool, PoolBuffer
+from tiermem.io.engine import IOEngine, create_engine
+from tiermem.io.future import IOFuture
+from tiermem.sizes import format_size
+from tiermem.store import SwapStore
+from tiermem.swap.ledger import Ledger
+from tiermem.swap.partition import Partition
+from tiermem.swap.state import DeviceState, HostState, Tier
+
+if TYPE_CHECKING:
+    from tiermem.swap.transfers import DeviceMover
+
+log = logging.getLogger(__name__)
+
+
+class CorruptDataError(StoreError):
+    """Bytes read back from NVMe do not match the checksum written with them."""
+
+
+def done_future() -> IOFuture:
+    fut = IOFuture(0, 1)
+    fut._chunk_done(None)
+    return fut
+
+
+class HostCache:
+    """Host buffers of partitions: allocation with eviction, NVMe reads and writes; see [Note: host budget]."""
+
+    def __init__(self, config: Config, lock: threading.RLock, partitions: dict[str, Partition], ledger: Ledger,
+                 pool: HostBufferPool, mover: DeviceMover, engine: IOEngine | None) -> None:
+        self.config = config
+        self.lock = lock  # the swapper's: see [Note: swapper locking]
+        self.partitions = partitions  # the swapper's, by name
+        self.ledger = ledger
+        self.pool = pool
+        self.mover = mover  # for the host copy of a partition that lives on the device (home device)
+        self._engine = engine  # made on first NVMe use unless given
+        self.own_engine = engine is None  # close it on close() only if we made it
+        # Registering the pool with the engine faults in (and pins) every page of it at once; `tiered_offload`
+        # defers that until the model's own parameters are packed and freed, so the two never add up.
+        self.defer_registration = False
+        self._pool_registered = False
+        self._store: SwapStore | None = None  # made on first NVMe use
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.evictions = 0
+        # Optional: how soon a partition is needed again (larger = later). With it, eviction drops the
+        # partition needed last; without it, the least recently used.
+        self.next_use: Callable[[Partition], float] | None = None
+        # Called (lock held, on the engine's thread) when a read has brought a partition's bytes in
+        self.on_read: Callable[[Partition], None] | None = None
+
+    @property
+    def budget_text(self) -> str:
+        """The host budget partitions share, as error messages name it."""
+        size = format_size(self.pool.nbytes)
+        if self.config.activations.host_bytes:
+            return f"memory.host_budget less activations.buffer ({size})"
+        return f"memory.host_budget ({size})"
+
+    # -- NVMe resources, made lazily so host-only configs never touch a disk --------------------------
+    @property
+    def engine(self) -> IOEngine:
+        with self.lock:
+            if self._engine is None:
+                io = self.config.io
+                self._engine = create_engine(io.engine, block_size=io.block_size, queue_depth=io.queue_depth,
+                                             sqpoll=io.sqpoll)
+                if not self.defer_registration:
+                    self.register_pool()
+            return self._engine
+
+    def register_pool(self) -> None:
+        """Pin the pool for the device's copies (CUDA only) and register it with the engine made here; once."""
+        with self.lock:
+            self.defer_registration = False
+            engine = None
+            if self._engine is not None and self.own_engine and not self._pool_registered:
+                self._pool_registered = True
+                engine = self._engine
+        # not under the lock: the engine's thread may need it to finish a write first (_write_done)
+        if self.mover.device.type == "cuda":
+            self.pool.pin()  # idempotent; on failure it warns and copies stay synchronous
+        if engine is not None:
+            engine.register_buffers(self.pool.regions)
+
+    @property
+    def store(self) -> SwapStore:
+        with self.lock:
+            if self._store is None:
+                io, nv = self.config.io, self.config.nvme
+                self._store = SwapStore(list(nv.paths), self.engine, stripe_size=nv.stripe_size,
+                                        keep_files=nv.keep_files, direct=io.direct)
+            return self._store
+
+    @property
+    def store_if_open(self) -> SwapStore | None:
+        return self._store
+
+    # -- filling a host buffer (lock held) ------------------------------------------------------------
+    def fill(self, part: Partition, buf: PoolBuffer) -> None:
+        """Give `part` (host state NONE) the buffer and start bringing its bytes into it."""
+        if part.discarded:  # nothing to read: the contents are zeros
+            part.attach_host(buf, self.ledger)
+            buf.tensor().zero_()
+            part.discarded = False
+            part.dirty = part.home is Tier.NVME
+        elif part.device_state is DeviceState.READY and part.device_data is not None:
+            part.attach_host(buf, self.ledger)  # home device: the device copy is the one to copy from
+            self.mover.synchronize(self.mover.to_host(part.device_data, buf.tensor()))
+        else:
+            assert part.extent is not None
+            part.attach_host(buf, self.ledger, HostState.READING)
+            fut = self.store.read(part.extent, buf.view, part.size)
+            part.pending = fut
+            fut.add_done_callback(lambda f: self._read_done(part, f))
+        self.complete_waiters(part)
+
+    def _read_done(self, part: Partition, fut: IOFuture) -> None:
+        with self.lock:
+            part.pending = None
+            error = fut.exception()
+            if error is None and part.checksum is not None and part.host is not None:
+                got = zlib.crc32(part.host.view[: part.nbytes])
+                if got != part.checksum:
+                    error = CorruptDataError(
+                        f"partition {part.name!r}: bytes read from {', '.join(self.store.run_dirs)} do not match "
+                        f"their checksum ({got:#010x} != {part.checksum:#010x}); the swap files were changed or "
+                        "the drive returned bad data. Check the drive (dmesg, smartctl) and rerun"
+                    )
+            if error is not None:
+                part.detach_host(self.pool, self.ledger)
+                part.want_device = False
+                waiters, part.waiters = part.waiters, []
+                for f in waiters:
+                    f._chunk_done(error)
+                return
+            self.bytes_read += part.size
+            part.host_state = HostState.READY
+            if self.on_read is not None:
+                self.on_read(part)
+            self.complete_waiters(part)
+
+    def complete_waiters(self, part: Partition) -> None:
+        if part.reached("host") and part.waiters:
+            waiters, part.waiters = part.waiters, []
+            for f in waiters:
+                f._chunk_done(None)
+
+    # -- writing back (lock held) ---------------------------------------------------------------------
+    def start_write(self, part: Partition, *, free_after: bool) -> IOFuture:
+        assert part.extent is not None and part.host is not None and part.host_state is HostState.READY
+        if self.config.nvme.checksum:
+            part.checksum = zlib.crc32(part.host.view[: part.nbytes])
+        part.host_state = HostState.WRITING
+        part.free_after_write = free_after
+        part.written_version = part.version
+        raw = self.store.write(part.extent, part.host.view, part.size)
+        # what callers wait on completes after _write_done has recorded the write, not when the bytes land
+        done = IOFuture(raw.nbytes, 1)
+        part.pending = done
+        raw.add_done_callback(lambda f: self._write_done(part, f, done))
+        return done
+
+    def _write_done(self, part: Partition, fut: IOFuture, done: IOFuture) -> None:
+        error = fut.exception()
+        try:
+            with self.lock:
+                part.pending = None
+                part.host_state = HostState.READY
+                if error is not None:  # the host copy is still there and still dirty: nothing is lost
+                    log.error("write-back of partition %r failed: %s", part.name, error)
+                    return
+                self.bytes_written += part.size
+                part.dirty = part.version != part.written_version  # changed while the write was in flight
+                if (part.free_after_write and not part.waiters and not part.users and not part.dirty
+                        and part.device_state is DeviceState.NONE):
+                    part.detach_host(self.pool, self.ledger)
+                    self.evictions += 1
+        finally:
+            done._chunk_done(error)
+
+    def start_eviction(self, part: Partition) -> IOFuture:
+        """Write back (if dirty) and drop the host copy of an idle NVMe partition with no device copy."""
+        part.prefetched = False
+        if part.dirty:
+            return self.start_write(part, free_after=True)
+        part.detach_host(self.pool, self.ledger)
+        self.evictions += 1
+        return done_future()
+
+    # -- host memory ----------------------------------------------------------------------------------
+    def alloc(self, part: Partition, *, wait: bool = True) -> PoolBuffer:
+        """A host buffer for `part`, evicting idle NVMe partitions (and waiting for write-backs). Lock not held."""
+        budget = self.pool.nbytes
+        if part.size > budget:
+            raise BudgetError(
+                f"partition {part.name!r} needs {format_size(part.size)} of host memory, more than the whole "
+                f"{self.budget_text}; raise memory.host_budget or split the model into smaller units"
+            )
+        while True:
+            with self.lock:
+                try:
+                    return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.pinned)
+                except BudgetError:
+                    pass
+                victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
+                                  and p.host_state is HostState.READY and p.device_state is not DeviceState.COPYING
+                                  and not p.users and not p.waiters), key=self._eviction_key)
+                if victims:
+                    victims[0].drop_device(self.ledger)  # a prefetched partition nobody acquired yet
+                    victims[0].want_device = False
+                    wait_for = self.start_eviction(victims[0])
+                else:
+                    busy = [p for p in self.partitions.values() if p.pending is not None]
+                    if not busy:
+                        held = [p.name for p in self.partitions.values() if p.host is not None]
+                        raise BudgetError(
+                            f"partition {part.name!r} needs {format_size(part.size)} of host memory but "
+                            f"{self.budget_text} is held by partitions in use or homed on "
+                            f"host ({', '.join(held[:8])}{'...' if len(held) > 8 else ''}); release some, or "
+                            "raise memory.host_budget"
+                        )
+                    wait_for = busy[0].pending  # type: ignore[assignment]
+                if not wait and not wait_for.done():
+                    raise BudgetError(f"no host memory free now for partition {part.name!r}")
+            try:
+                wait_for.wait()  # without the lock: the completion needs it
+            except Exception as exc:  # a failed write-back keeps its data; report it to this caller
+                raise StoreError(f"could not free host memory for partition {part.name!r}: {exc}") from exc
+
+    def _eviction_key(self, part: Partition) -> tuple[bool, bool, float, int]:
+        """Sort key of eviction candidates: pinned ones last, then prefetched-and-not-yet-used ones; among
+        the rest the one needed last first, then the least recently used."""
+        later = -self.next_use(part) if self.next_use is not None else 0.0
+        return (part.pinned, part.prefetched, later, part.last_used)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+        if self._engine is not None and self.own_engine:
+            self._engine.close()
+        self.pool.close()
