@@ -58,6 +58,7 @@ from _common import (  # bench/ is on sys.path when run as a script
 
 import tiermem
 from tiermem.benchmark import GIB, system_info
+from tiermem.device import copying_device, copying_device_state
 from tiermem.sizes import parse_size
 
 SEED = 0  # the models' initial weights
@@ -166,15 +167,22 @@ def compare_logits(got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
 
 @contextmanager
 def cuda_peak(device: torch.device, base: int) -> Iterator[dict[str, Any]]:
-    """torch.cuda.max_memory_allocated over the block, less `base` (None off CUDA)."""
+    """torch.cuda.max_memory_allocated over the block, less `base`; on the copying test device (--device copy)
+    the peak of its device memory really alive; None on the plain CPU."""
     out: dict[str, Any] = {"bytes": None}
+    copying = copying_device_state()
     if device.type == "cuda":
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    elif copying.enabled:
+        gc.collect()
+        copying.reset_peak()
     yield out
     if device.type == "cuda":
         synchronize(device)
         out["bytes"] = torch.cuda.max_memory_allocated(device) - base
+    elif copying.enabled:
+        out["bytes"] = copying.peak_bytes - base
 
 
 # -- inference ----------------------------------------------------------------------------------------
@@ -209,7 +217,7 @@ def check_inference(sz: Sizes, device: torch.device, work: str, args: argparse.N
     # slack for packing: 4 KiB-aligned partitions, 64-byte aligned tensors, small modules merged in (ln_f)
     device_budget = args.device_units * (largest_module + (256 << 10))
     swap = os.path.join(work, "swap-infer")
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # the copying device: 0, no buffers
     runs = []
     for prefetch in (True, False):
         with torch.device("meta"):
@@ -346,6 +354,9 @@ def judge(report: dict[str, Any]) -> list[tuple[str, bool]]:
             checks.append((f"inference ({tag}): generated tokens equal", r["tokens_equal"]))
             checks.append((f"inference ({tag}): ledger peak device <= device budget",
                            r["peak_bytes"]["device"] <= inf["device_budget"]))
+            if report.get("device") == "copy":  # there nothing but tiermem's units is device memory
+                checks.append((f"inference ({tag}): device memory alive <= the ledger's peak",
+                               r["cuda_max_allocated_bytes"] <= r["peak_bytes"]["device"]))
     tr = report.get("training")
     if tr:
         for dtype, d in tr["dtypes"].items():
@@ -381,7 +392,7 @@ def print_summary(report: dict[str, Any]) -> None:
                   f"{r['per_token_s_std'] * 1e3:.1f} ms), read {_mb(r['bytes_read'])}, stall "
                   f"{r['stall_seconds']:.2f} s, misses {r['prefetch_misses']}/"
                   f"{r['prefetch_hits'] + r['prefetch_misses']}, packed in {r['pack_seconds']:.1f} s")
-            print(f"tiermem {tag}: peak device (ledger) {_mb(r['peak_bytes']['device'])}, torch max allocated "
+            print(f"tiermem {tag}: peak device (ledger) {_mb(r['peak_bytes']['device'])}, device memory at peak "
                   f"{_mb(r['cuda_max_allocated_bytes'])}, largest unit {_mb(r['largest_unit_bytes'])} of {r['units']}, "
                   f"peak host {_mb(r['peak_bytes']['host'])}")
         runs = {r["prefetch"]: r for r in inf["runs"]}
@@ -443,7 +454,9 @@ def default_json() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", help="compute device: cuda, cuda:N or cpu (default cuda)")
+    p.add_argument("--device", default="cuda",
+                   help="compute device: cuda, cuda:N, cpu, or copy (the CPU with tiermem's copying test device, "
+                        "which counts the device memory really alive; default cuda)")
     p.add_argument("--small", action="store_true", help="small shapes, to try the script on the CPU")
     p.add_argument("--dir", default=None, help="work directory for the checkpoint and swap (default: a temporary one)")
     p.add_argument("--json", default=None, help="report path (default $OUT/gpu_check.json, else a temporary file)")
@@ -463,7 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("transformers is not installed: nothing to check", file=sys.stderr)
         return 2
-    device = torch.device(args.device)
+    if args.device == "copy":
+        with copying_device():
+            return _run(args, torch.device("cpu"), "copy")
+    return _run(args, torch.device(args.device), args.device)
+
+
+def _run(args: argparse.Namespace, device: torch.device, label: str) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"--device {args.device}: CUDA is not available here; use --device cpu (with --small)", file=sys.stderr)
         return 2
@@ -473,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.json or default_json()
     work = args.dir or tempfile.mkdtemp(prefix="tiermem-gpu-check-")
     os.makedirs(work, exist_ok=True)
-    report: dict[str, Any] = {**header(device, work), "device": str(device), "small": args.small, "errors": {}}
+    report: dict[str, Any] = {**header(device, work), "device": label, "small": args.small, "errors": {}}
     sections: list[tuple[str, Callable[..., dict[str, Any]]]] = [("inference", check_inference),
                                                                  ("training", check_training)]
     t0 = time.perf_counter()

@@ -293,8 +293,8 @@ class ActivationsConfig:
     """Saved tensors smaller than this stay in memory (with ``tier: nvme``)."""
 
     buffer: int = field(default=64 * 1024**2, metadata=_BYTES)
-    """Host memory for activations on their way to and from swap (with ``tier: nvme``); part of
-    memory.host_budget, so the partitions' share is the budget minus this."""
+    """The most host memory saved activations hold in the host cache at once (with ``tier: nvme``); part of
+    memory.host_budget, so the other partitions are planned to fit the budget minus this."""
 
     def __post_init__(self) -> None:
         self.tier = _choice("activations.tier", self.tier, ACTIVATION_TIERS)
@@ -303,7 +303,7 @@ class ActivationsConfig:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of memory.host_budget the activations take (none unless they go to NVMe)."""
+        """Bytes of memory.host_budget the activations may take (none unless they go to NVMe)."""
         return self.buffer if self.tier == "nvme" else 0
 
 

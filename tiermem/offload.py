@@ -98,22 +98,19 @@ class OffloadHandle:
         on the device's working set: memory.device_budget, or the one derived from the prefetch settings when
         that is null; None on a device whose memory is the host's). With ``activations.tier: nvme`` also
         ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_stall_seconds``,
-        ``activations_peak_host_bytes``, ``activations_bytes_written`` and ``activations_bytes_read``; those
-        bytes are included in ``bytes_read``/``bytes_written``, and the activation buffer's peak and current
-        use are added to the ``host`` entries (so ``peak_bytes['host']`` is at most the host budget).
+        ``activations_peak_host_bytes``, ``activations_bytes_written`` and ``activations_bytes_read``. The
+        activations live in the same host cache as the parameters, so their bytes are also in ``bytes_read``,
+        ``bytes_written`` and the ``host`` entries (``peak_bytes['host']`` is at most the host budget).
         """
         s = self.swapper.stats()
         rt = self.runtime
         act = rt.activations.stats() if rt.activations is not None else {}
         peak, now = dict(s.ledger.peak), dict(s.ledger.now)
-        if rt.activations is not None:  # the activations' buffer is the host budget's other part
-            peak["host"] += rt.activations.pool.peak
-            now["host"] += rt.activations.pool.used
         return {
             "peak_bytes": peak,
             "now_bytes": now,
-            "bytes_read": s.bytes_read + act.get("activations_bytes_read", 0),
-            "bytes_written": s.bytes_written + act.get("activations_bytes_written", 0),
+            "bytes_read": s.bytes_read,
+            "bytes_written": s.bytes_written,
             "stall_seconds": rt.stall_seconds,
             "prefetch_hits": rt.prefetch_hits,
             "prefetch_misses": rt.prefetch_misses,
@@ -186,10 +183,6 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                            f"of {names}")
     swapper = TensorSwapper(config, engine=engine, **overrides)
     swapper.defer_registration = True  # until the model's parameters are packed (_pack registers the pool)
-    if swapper.config.activations.tier == "nvme" and swapper.device.type != "cpu":
-        swapper.close()
-        raise OffloadError(f"activations.tier: nvme is implemented for the CPU compute device only, and the device "
-                           f"is {swapper.device}; set activations.tier: memory")
     handle: OffloadHandle | None = None
     patched: dict[str, Any] = {}
     allocator = ExitStack()
@@ -311,7 +304,7 @@ def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | 
     if not in_host:
         return
     total = sum(Layout.of(_unit_specs(u, override)).size for u in plan.units)
-    if total > swapper.pool.nbytes:
+    if total > swapper.partition_budget:
         raise BudgetError(
             f"params.tier: {cfg.params.tier} keeps every parameter in host memory here, {format_size(total)}, but "
             f"{swapper.budget_text} is smaller; raise memory.host_budget or set "

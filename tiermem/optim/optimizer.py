@@ -141,7 +141,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Host-homed partitions stay in the pool for good, and the step holds one unit's parameters,
         gradients and state at once: the host budget must fit both, or training could not proceed."""
         cfg = self.swapper.config
-        budget = self.swapper.pool.nbytes
+        budget = self.swapper.partition_budget
         params_in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device" and not self.swapper.mover.copies)
         in_host = {"params": params_in_host, "grads": cfg.grads.tier == "cpu", "state": cfg.optimizer.tier == "cpu"}
         permanent = sum(u.partition.size for u in units) if in_host["params"] else 0

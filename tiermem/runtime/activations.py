@@ -3,31 +3,38 @@
 # [Note: activation offload]
 With ``activations.tier: nvme`` the runtime's saved-tensor pack hook hands every saved tensor that is not
 a managed parameter (see [Note: backward] in runtime.py) and has at least ``activations.min_bytes`` of
-storage to `ActivationStore.pack`. Pack copies the tensor's whole storage into a slot of the store's own
-host buffer (``activations.buffer`` bytes, carved out of memory.host_budget), starts an O_DIRECT write of
-the slot to an extent of the swap store, and returns a `_SavedActivation` holding the dtype, size, stride
-and storage offset. Autograd drops its reference to the original tensor, so forward's activations are
-freed as forward goes instead of piling up until backward.
+storage to `ActivationStore.pack`. The store is a client of the swapper: each saved storage becomes a
+partition homed on NVMe, in the same host cache as parameters and optimizer state (host_cache.py), so
+one pool, one eviction policy and one write-back serve them all. Pack copies the tensor's whole storage
+into the partition's host buffer (on CUDA on the copy side stream, the write starting once the copy is
+done), starts its write, and returns a `_SavedActivation` holding the dtype, size, stride and storage
+offset. Autograd drops its reference to the original tensor, so forward's activations are freed as
+forward goes instead of piling up until backward.
+
+``activations.buffer`` is the most host memory the activations may hold in the cache at once: when a pack
+would pass it, the oldest activations (the ones backward needs last) are dropped from memory, after their
+writes when those are still in flight. So when forward ends the newest activations are still in memory,
+and they are the ones backward wants first. The rest of the cache evicts activations before parameters
+(the schedule knows no next use for them).
 
 Views of one storage saved together (GPT-2's query, key and value are views of one projection output)
 share one record: a pack whose storage address matches a record whose source is still alive, at the same
 version, is the same storage with the same bytes.
 
-Slots are given up only when their bytes are safely on disk. When a pack finds the buffer full it first
-drops the in-memory copies of the oldest written records, then waits for the oldest write. So when
-forward ends the newest activations are still in memory, and they are the ones backward wants first.
+Unpack brings the record's partition back (reading it if it was dropped) and rebuilds the tensor: on the
+CPU over the host buffer itself, which stays held until autograd frees the last tensor built over it
+(the hold rides on the numpy array under the tensor); on a device with memory of its own over a device
+copy that autograd then owns, as it would own the activation without offload. Each unpack reads ahead:
+records saved before this one (backward goes newest first) are prefetched, up to half of
+``activations.buffer``. A record's partition is removed (memory and extent given back) once autograd has
+let go of every handle and every tensor built over it.
 
-Unpack rebuilds the tensor over the slot holding the record's bytes, reading it first if it is not in
-memory (into a slot: if none is free it waits for writes in flight, which pin their slots until done).
-Each unpack also reads ahead: records saved before this one (backward goes newest first) are read into
-free slots, up to half the buffer. A record's slot goes back to the buffer when autograd frees
-the last tensor built over it (the slot's owner rides on the numpy array under the tensor) and the record
-no longer holds it; its extent goes back to the swap store when autograd frees the last handle (the
-graph was run or dropped) and no write is in flight.
+Objects autograd frees may be freed on another thread; their finalizers only append to a list, which the
+compute thread drains at the next pack, unpack or `settle()`.
 
-When a slot cannot be had (a single tensor larger than the buffer, or every slot held by tensors that
-autograd is using) the tensor is kept in memory as autograd would keep it, and counted as
-``activations_kept_bytes``; nothing fails for want of buffer. A failed write keeps its bytes in memory.
+When a record cannot be had (a single tensor larger than ``activations.buffer``, a host cache full of
+memory in use, a full disk) the tensor is kept in memory as autograd would keep it, and counted as
+``activations_kept_bytes``; nothing fails for want of room.
 """
 
 from __future__ import annotations
@@ -36,59 +43,55 @@ import logging
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from tiermem.io.buffers import HostBufferPool, PoolBuffer, align_up
-from tiermem.io.future import IOFuture
+from tiermem.errors import BudgetError, StoreError
+from tiermem.io.buffers import align_up
 from tiermem.sizes import format_size
-from tiermem.store import SwapStore
-from tiermem.store.store import Extent
+
+if TYPE_CHECKING:
+    from tiermem.swap import Partition, TensorSwapper
 
 log = logging.getLogger(__name__)
 
 
-class _Slot:
-    """Owns one piece of the activation buffer; when the last array (and tensor) over it goes, the piece
-    is queued for return (a list append: safe from any thread, and never takes a lock)."""
+class _Hold:
+    """One unpacked tensor's hold on its record's host buffer; queued for release when the tensor goes."""
 
-    __slots__ = ("buf", "returned")
+    __slots__ = ("returned", "record")
 
-    def __init__(self, buf: PoolBuffer, returned: list[PoolBuffer]) -> None:
-        self.buf = buf
+    def __init__(self, returned: list[_Record], record: _Record) -> None:
         self.returned = returned
+        self.record = record
 
     def __del__(self) -> None:
-        self.returned.append(self.buf)
+        self.returned.append(self.record)  # a list append: safe from any thread, takes no lock
 
 
 class _OwnedArray(np.ndarray):
-    """A numpy view of a slot that keeps the slot's owner alive (torch.from_numpy keeps the array)."""
+    """A numpy view of a host buffer that keeps its `_Hold` alive (torch.from_numpy keeps the array)."""
 
-    slot: _Slot
+    hold: _Hold
 
 
 class _Record:
-    """One saved storage: its bytes in a slot, on disk, or both."""
+    """One saved storage, kept in a partition of the swapper."""
 
-    __slots__ = ("seq", "nbytes", "data", "extent", "writing", "written", "error", "handles", "unpacked",
-                 "reading", "source", "version")
+    __slots__ = ("seq", "nbytes", "part", "handles", "holds", "unpacked", "source", "version", "copying")
 
     def __init__(self, seq: int, nbytes: int) -> None:
         self.seq = seq
         self.nbytes = nbytes
-        self.data: torch.Tensor | None = None  # uint8 tensor over the slot, while this record holds it
-        self.extent: Extent | None = None
-        self.writing: IOFuture | None = None
-        self.written = False
-        self.error: BaseException | None = None
-        self.handles = 0  # live _SavedActivation objects that name this record
-        self.unpacked = 0  # unpacks since the bytes were last brought into memory
-        self.reading: IOFuture | None = None
+        self.part: Partition | None = None  # None once removed (or never made)
+        self.handles = 0  # live _SavedActivation objects that name this record (less those queued as gone)
+        self.holds = 0  # unpacked tensors over its host buffer still alive (less those queued as returned)
+        self.unpacked = 0  # unpacks of this record
         self.source: weakref.ref[torch.Tensor] | None = None  # a tensor on the original storage, while alive
         self.version = -1
+        self.copying: object | None = None  # the event of its device-to-host copy, until its write starts
 
 
 class _SavedActivation:
@@ -106,29 +109,31 @@ class _SavedActivation:
         record.handles += 1
 
     def __del__(self) -> None:
-        self.store._handle_gone(self.record)
+        self.store._gone.append(self.record)  # a list append: safe from any thread, takes no lock
 
 
 class ActivationStore:
-    """Moves saved activations to the swap store and back; one per `tiered_offload` context."""
+    """Moves saved activations to the swap store and back through the swapper; one per `tiered_offload`."""
 
-    def __init__(self, store: SwapStore, buffer_bytes: int, min_bytes: int) -> None:
-        self.store = store
-        self.pool = HostBufferPool(buffer_bytes)
+    def __init__(self, swapper: TensorSwapper, buffer_bytes: int, min_bytes: int) -> None:
+        self.swapper = swapper
+        self.quota = buffer_bytes  # activations.buffer: the most host memory activations hold at once
         self.min_bytes = min_bytes
-        self.read_ahead_bytes = self.pool.nbytes // 2
-        self._returned: list[PoolBuffer] = []  # slots whose last user went, to give back to the pool
-        self._orphans: list[_Record] = []  # records autograd let go of while their write was in flight
+        self.read_ahead_bytes = buffer_bytes // 2
+        self._returned: list[_Record] = []  # holds whose tensors autograd freed, to release
+        self._gone: list[_Record] = []  # handles autograd freed, to count down
         self._seq = 0
-        self._cached: deque[_Record] = deque()  # records holding a slot, oldest first
+        self._records: deque[_Record] = deque()  # records with a partition, oldest first
         self._pending: list[_Record] = []  # this pass's records, in pack order (for read-ahead)
         self._ahead = 1 << 62  # the lowest index into _pending that backward has unpacked; reads go below it
         self._by_ptr: dict[int, _Record] = {}
+        self._copying: list[_Record] = []  # device-to-host copies whose write has not started
         self.bytes_written = 0
         self.bytes_read = 0
         self.stall_seconds = 0.0  # backward waiting for an activation's bytes
-        self.kept_bytes = 0  # saved tensors kept in memory for want of a slot
+        self.kept_bytes = 0  # saved tensors kept in memory for want of room
         self.saved_bytes = 0  # saved tensors sent to NVMe
+        self.peak_host = 0  # most host bytes the activations held at once
         self._warned = False
         self.closed = False
 
@@ -136,49 +141,67 @@ class ActivationStore:
     def begin_pass(self) -> None:
         """A new top-level forward: records of earlier passes that are still alive stay valid, but
         read-ahead and sharing look only at this pass's."""
-        self._pending = [r for r in self._pending if r.handles > 0]
+        self._drain()
+        self._pending = [r for r in self._pending if r.part is not None]
         self._ahead = 1 << 62
         self._by_ptr.clear()
 
     def pack(self, t: torch.Tensor) -> Any:
         """Send `t`'s storage toward NVMe and return what autograd keeps instead (or `t` itself)."""
-        if t.device.type != "cpu" or t.layout is not torch.strided or t.is_quantized or t.requires_grad and t.is_leaf:
+        if (t.device.type not in ("cpu", self.swapper.device.type) or t.layout is not torch.strided
+                or t.is_quantized or t.requires_grad and t.is_leaf):
             return t
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes < self.min_bytes or nbytes > 4 * max(t.nbytes, 1):  # small, or a sliver of a big storage
             return t
+        self._drain()
         ptr = storage.data_ptr()
         rec = self._by_ptr.get(ptr)
-        if rec is not None and rec.handles > 0 and rec.nbytes == nbytes and rec.version == t._version:
+        if rec is not None and rec.part is not None and rec.nbytes == nbytes and rec.version == t._version:
             alive = rec.source() if rec.source is not None else None
             if alive is not None and alive.untyped_storage().data_ptr() == ptr:
                 return _SavedActivation(self, rec, t)
-        buf = self._slot_for(nbytes, waiting=True)
-        if buf is None:
-            self._keep(nbytes, "it is larger than activations.buffer" if align_up(nbytes) > self.pool.nbytes
-                       else "activations.buffer is full of tensors that backward is using")
+        if align_up(nbytes) > self.quota:
+            self._keep(nbytes, "it is larger than activations.buffer")
+            return t
+        if not self._make_room(align_up(nbytes)):
+            self._keep(nbytes, "activations.buffer is full of tensors that backward is using")
             return t
         rec = _Record(self._seq, nbytes)
         self._seq += 1
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (nbytes,), (1,))
+        mover = self.swapper.mover
+
+        def fill(views: dict[str, torch.Tensor]) -> None:
+            if mover.copies:  # from device memory, on the copy stream; the write waits for it
+                rec.copying = mover.to_host(src, views["data"])
+            else:
+                views["data"].copy_(src)
+
         try:
-            rec.extent = self.store.allocate(nbytes)
-        except Exception as exc:  # a full disk: keep the bytes in memory rather than fail the forward
-            self._returned.append(buf)
+            rec.part = self.swapper.add(f"activation#{rec.seq}", [("data", _meta(nbytes))], home="nvme", fill=fill)
+        except (BudgetError, StoreError, OSError) as exc:  # a full host cache or disk: keep it in memory
             self._keep(nbytes, str(exc))
             return t
-        data = self._over(buf)
-        data[:nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)))
-        rec.data = data
+        if rec.copying is not None:
+            self.swapper.acquire(rec.part, "host")  # nothing evicts it before the copy is done
+            self._copying.append(rec)
+        else:
+            self._write(rec)
         rec.source = weakref.ref(t._base if t._base is not None else t)
         rec.version = t._version
         self._by_ptr[ptr] = rec
-        self._cached.append(rec)
+        self._records.append(rec)
         self._pending.append(rec)
         self.saved_bytes += nbytes
-        rec.writing = self.store.write(rec.extent, data, nbytes=rec.extent.size)
-        self.bytes_written += rec.extent.size
+        self.peak_host = max(self.peak_host, self.host_bytes())
         return _SavedActivation(self, rec, t)
+
+    def _write(self, rec: _Record) -> None:
+        assert rec.part is not None
+        self.swapper.write_back(rec.part)
+        self.bytes_written += rec.part.size
 
     def _keep(self, nbytes: int, why: str) -> None:
         self.kept_bytes += nbytes
@@ -186,42 +209,55 @@ class ActivationStore:
             self._warned = True
             log.warning("keeping a saved activation of %s in memory: %s", format_size(nbytes), why)
 
-    def _settle(self, rec: _Record) -> bool:
-        """Note a finished write; True when the record's bytes are safely on disk."""
-        f = rec.writing
-        if f is not None and f.done():
-            rec.writing = None
-            rec.error = f.exception()
-            rec.written = rec.error is None
-            if rec.error is not None:
-                log.warning("writing a saved activation to swap failed (%s); keeping it in memory", rec.error)
-        return rec.written
+    def host_bytes(self) -> int:
+        """Host bytes the activations hold in the cache now."""
+        return sum(r.part.size for r in self._records if r.part is not None and self.swapper.holds_host(r.part))
+
+    def _make_room(self, size: int) -> bool:
+        """Drop the oldest activations from host memory (after their writes) until `size` more fits the
+        quota; False when the rest are held by tensors backward is using."""
+        held = self.host_bytes()
+        for rec in list(self._records):
+            if held + size <= self.quota:
+                return True
+            part = rec.part
+            if part is None or rec.holds or rec.copying is not None or not self.swapper.holds_host(part):
+                continue
+            try:
+                self.swapper.evict(part).wait()  # a write in flight: wait for it (the bytes must be on disk)
+            except OSError as exc:
+                log.warning("writing a saved activation to swap failed (%s); keeping it in memory", exc)
+                continue
+            self.swapper.evict(part)  # now clean: dropped at once
+            if not self.swapper.holds_host(part):
+                held -= part.size
+        return held + size <= self.quota
 
     # -- backward ---------------------------------------------------------------------------------
     def unpack(self, saved: _SavedActivation) -> torch.Tensor:
+        self._drain()
         rec = saved.record
-        data = rec.data
-        if data is None:
-            t0 = time.perf_counter()
-            if rec.reading is None:
-                self._start_read(rec, waiting=True)
-            reading = rec.reading
-            if reading is not None:
-                reading.wait()
-                rec.reading = None
-            data = rec.data
-            self.stall_seconds += time.perf_counter() - t0
-            assert data is not None
-        elif rec.reading is not None:
-            t0 = time.perf_counter()
-            rec.reading.wait()
-            rec.reading = None
-            self.stall_seconds += time.perf_counter() - t0
-        offset = saved.offset + data.storage_offset() // saved.dtype.itemsize  # data may start inside its storage
-        out = torch.empty(0, dtype=saved.dtype).set_(data.untyped_storage(), offset, saved.size, saved.stride)
+        part = rec.part
+        if part is None:
+            raise RuntimeError(f"a saved activation of {format_size(rec.nbytes)} was lost: its swap partition "
+                               "is gone (was the graph run after its tiered_offload context ended?)")
+        self._start_writes(wait_for=rec)
+        t0 = time.perf_counter()
+        if not self.swapper.holds_host(part):
+            self.bytes_read += part.size
+        if self.swapper.mover.copies:  # a device copy that autograd owns from here on, as without offload
+            data = self.swapper.mover.tensor_to_device(self.swapper.acquire(part, "host")["data"])
+            self.swapper.release(part, tier="host")
+        else:  # the host buffer itself, held until the last tensor over it goes
+            arr = self.swapper.acquire(part, "host")["data"].numpy().view(_OwnedArray)
+            arr.hold = _Hold(self._returned, rec)
+            rec.holds += 1
+            data = torch.from_numpy(arr)
+        self.stall_seconds += time.perf_counter() - t0
+        offset = saved.offset + data.storage_offset() // saved.dtype.itemsize
+        out = torch.empty(0, dtype=saved.dtype, device=data.device).set_(
+            data.untyped_storage(), offset, saved.size, saved.stride)
         rec.unpacked += 1
-        if rec.unpacked >= rec.handles and self._settle(rec):
-            self._uncache(rec)  # autograd holds the tensor now; the slot comes back when it lets go
         self._read_ahead(rec)
         return out
 
@@ -234,11 +270,12 @@ class ActivationStore:
         k = min(self._ahead, len(pending)) - 1
         while k >= 0 and ahead < self.read_ahead_bytes:
             r = pending[k]
-            if r.handles > 0 and r.unpacked == 0:
-                if r.data is None and r.reading is None:
-                    if not self._start_read(r, waiting=False):
-                        return
-                ahead += r.nbytes
+            if r.part is not None and r.unpacked == 0:
+                if not self.swapper.holds_host(r.part):
+                    if self.swapper.prefetch(r.part, "host") is None:
+                        return  # no host memory free now
+                    self.bytes_read += r.part.size
+                ahead += r.part.size
             k -= 1
 
     def _index_of(self, rec: _Record) -> int | None:
@@ -252,135 +289,81 @@ class ActivationStore:
                 hi = mid
         return lo if lo < len(pending) and pending[lo] is rec else None
 
-    def _start_read(self, rec: _Record, *, waiting: bool) -> bool:
-        """Bring a written record back into a slot (or, waiting, into memory outside the buffer)."""
-        if rec.error is not None or rec.extent is None:
-            raise RuntimeError(f"a saved activation of {format_size(rec.nbytes)} was lost: {rec.error}")
-        # backward needs these bytes now: waiting for a write in flight to free a slot keeps the buffer's
-        # bound; a read-ahead takes only what is free at once
-        buf = self._slot_for(rec.nbytes, waiting=waiting, below=None if waiting else rec.seq)
-        if buf is None:
-            if not waiting:
-                return False
-            data = _aligned_empty(rec.extent.size)  # every slot is in use by backward: read outside
-            self.kept_bytes += rec.nbytes
-        else:
-            data = self._over(buf)
-            self._cached.append(rec)
-        rec.data = data
-        rec.unpacked = 0
-        rec.reading = self.store.read(rec.extent, data, nbytes=rec.extent.size)
-        self.bytes_read += rec.extent.size
-        return True
-
-    # -- slots and lifetimes ----------------------------------------------------------------------
-    def _over(self, buf: PoolBuffer) -> torch.Tensor:
-        arr = buf.numpy().view(_OwnedArray)
-        arr.slot = _Slot(buf, self._returned)
-        return torch.from_numpy(arr)
+    # -- lifetimes (compute thread) ---------------------------------------------------------------
+    def _start_writes(self, *, wait_for: _Record | None = None, wait_all: bool = False) -> None:
+        """Start the writes of records whose device-to-host copy is done (waiting for `wait_for`'s, or all)."""
+        mover = self.swapper.mover
+        still = []
+        for rec in self._copying:
+            if wait_all or rec is wait_for:
+                mover.synchronize(rec.copying)
+            if mover.done(rec.copying):
+                rec.copying = None
+                assert rec.part is not None
+                self.swapper.release(rec.part, tier="host")
+                self._write(rec)
+            else:
+                still.append(rec)
+        self._copying = still
 
     def _drain(self) -> None:
+        """Apply what autograd let go of: release holds, count down handles, remove finished records."""
+        self._start_writes()
+        touched = []
         while self._returned:
-            self.pool.free(self._returned.pop())
-        if self._orphans:
-            waiting = []
-            for rec in self._orphans:
-                if rec.writing is not None and not rec.writing.done():
-                    waiting.append(rec)
-                else:
-                    rec.writing = None
-                    self._free_extent(rec)
-            self._orphans = waiting
+            rec = self._returned.pop()
+            rec.holds -= 1
+            if rec.part is not None:
+                self.swapper.release(rec.part, tier="host")
+            touched.append(rec)
+        while self._gone:
+            rec = self._gone.pop()
+            rec.handles -= 1
+            touched.append(rec)
+        for rec in touched:
+            if rec.handles <= 0 and rec.holds <= 0 and rec.part is not None and rec.copying is None:
+                self._remove(rec)
 
-    def _slot_for(self, nbytes: int, *, waiting: bool, below: int | None = None) -> PoolBuffer | None:
-        """A slot of `nbytes`, dropping the in-memory copies of written records to make room, oldest
-        first: in forward they are the ones backward needs last. `below`: drop only records older than
-        that (a read-ahead must not push out what backward needs sooner). When `waiting`, also wait for
-        writes in flight. None when nothing more can be freed."""
-        size = align_up(nbytes)
-        if size > self.pool.nbytes:
-            return None
-        while True:
-            self._drain()
-            if self.pool.nbytes - self.pool.used >= size:
-                try:
-                    return self.pool.alloc(size)
-                except Exception:  # fragmented: free more below
-                    pass
-            victim = min((r for r in self._cached if r.reading is None and (below is None or r.seq < below)
-                          and self._settle(r)), key=lambda r: r.seq, default=None)
-            if victim is not None:
-                self._uncache(victim)
-                continue
-            # a write in flight pins its slot, whether its record is cached or autograd let go of it
-            writing = next((r.writing for r in (*self._cached, *self._orphans) if r.writing is not None), None)
-            if waiting and writing is not None:
-                try:
-                    writing.wait()
-                except OSError:
-                    pass  # _settle notes the error; that record keeps its bytes in memory
-                continue
-            return None
-
-    def _uncache(self, rec: _Record) -> None:
-        rec.data = None
+    def _remove(self, rec: _Record) -> None:
+        part, rec.part = rec.part, None
+        if part is not None and not self.closed:
+            self.swapper.remove(part)  # waits for its write in flight, then gives back memory and extent
         try:
-            self._cached.remove(rec)
+            self._records.remove(rec)
         except ValueError:
             pass
 
-    def _handle_gone(self, rec: _Record) -> None:
-        """Autograd dropped a handle; the last one frees the record's extent (after its write)."""
-        rec.handles -= 1
-        if rec.handles > 0 or self.closed:
-            return
-        if rec.data is not None:
-            self._uncache(rec)
-        if rec.writing is not None and not rec.writing.done():
-            self._orphans.append(rec)
-        else:
-            rec.writing = None
-            self._free_extent(rec)
-
-    def _free_extent(self, rec: _Record) -> None:
-        ext, rec.extent = rec.extent, None
-        if ext is not None and not self.store.closed:
-            self.store.free(ext)
-
-    def wait_idle(self) -> None:
-        """Wait for every write and read in flight (before the swap store closes)."""
-        for rec in list(self._pending) + list(self._cached) + self._orphans:
-            for f in (rec.writing, rec.reading):
-                if f is not None:
-                    f.wait()
-
     def settle(self) -> None:
-        """Wait for transfers in flight and give back what autograd has let go of (slots and extents)."""
-        self.wait_idle()
+        """Wait for transfers in flight and give back what autograd has let go of (memory and extents)."""
+        self._start_writes(wait_all=True)
         self._drain()
+        for rec in list(self._records):
+            if rec.part is not None:
+                self.swapper.wait_idle(rec.part)
 
     def close(self) -> None:
-        self.wait_idle()
+        """Before the swapper closes: finish copies, and forget every record (autograd may still hold some
+        handles; using them later raises a clear error)."""
+        self.settle()
         self.closed = True
-        self._cached.clear()
+        for rec in list(self._records):
+            part, rec.part = rec.part, None
+            if part is not None and not part.users:
+                self.swapper.remove(part)
+        self._records.clear()
         self._pending = []
         self._by_ptr.clear()
-        self._drain()
-        self.pool.close()  # tensors autograd still holds keep the memory alive until they go
 
     def stats(self) -> dict[str, Any]:
         return {"activations_saved_bytes": self.saved_bytes, "activations_kept_bytes": self.kept_bytes,
-                "activations_stall_seconds": self.stall_seconds, "activations_peak_host_bytes": self.pool.peak,
+                "activations_stall_seconds": self.stall_seconds, "activations_peak_host_bytes": self.peak_host,
                 "activations_bytes_written": self.bytes_written, "activations_bytes_read": self.bytes_read}
 
     def reset_stats(self) -> None:
         self.saved_bytes = self.kept_bytes = self.bytes_written = self.bytes_read = 0
         self.stall_seconds = 0.0
-        self.pool.peak = self.pool.used
+        self.peak_host = self.host_bytes()
 
 
-def _aligned_empty(nbytes: int) -> torch.Tensor:
-    """A 4 KiB-aligned uint8 CPU tensor of `nbytes` from torch's allocator (for O_DIRECT)."""
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    skip = -raw.data_ptr() % 4096
-    return raw[skip : skip + nbytes]
+def _meta(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device="meta")

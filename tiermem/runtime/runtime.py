@@ -121,7 +121,7 @@ class Runtime:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         act = self.swapper.config.activations
         if act.tier == "nvme":
-            self.activations = ActivationStore(self.swapper.store, act.buffer, act.min_bytes)
+            self.activations = ActivationStore(self.swapper, act.buffer, act.min_bytes)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
 
@@ -258,7 +258,7 @@ class Runtime:
         order = self.schedule.order
         self._planned_for = order
         for j in self.schedule.pinned:
-            self.units[j].partition.pinned = False
+            self.swapper.keep_resident(self.units[j].partition, False)
         self.schedule.pinned = set()
         self.schedule.depth = self._depth
         self.pinned_bytes = 0
@@ -269,9 +269,9 @@ class Runtime:
         sizes = {u.index: u.partition.size for u in self.units
                  if u.index in used and u.partition.home is Tier.NVME}
         fixed = sum(p.size for p in self.swapper.partitions.values() if p.home is not Tier.NVME)
-        pinned, depth = plan_resident(sizes, self.swapper.pool.nbytes - fixed, self._depth)
+        pinned, depth = plan_resident(sizes, self.swapper.partition_budget - fixed, self._depth)
         for j in pinned:
-            self.units[j].partition.pinned = True
+            self.swapper.keep_resident(self.units[j].partition, True)
         self.schedule.pinned = pinned
         self.schedule.depth = depth
         self.pinned_bytes = sum(sizes[j] for j in pinned)

@@ -1,8 +1,9 @@
 """The host cache: one pool of host memory for every partition, NVMe reads into it, write-back and eviction.
 
 # [Note: host budget]
-All host memory for partitions comes from one HostBufferPool of memory.host_budget bytes (less the
-activations' buffer), allocated once. When a fetch needs room, the idle partitions whose home is NVMe are
+All host memory for partitions comes from one HostBufferPool of memory.host_budget bytes, allocated
+once; saved activations (activations.tier: nvme) are partitions too, and hold at most activations.buffer
+of it (runtime/activations.py). When a fetch needs room, the idle partitions whose home is NVMe are
 evicted, the one needed last first (the runtime knows the schedule; else the least recently used):
 dropped at once when their NVMe copy is current, written back first when dirty. A partition larger than
 the whole budget, or a budget full of partitions in use, raises BudgetError naming them.
@@ -78,9 +79,14 @@ class HostCache:
         self.on_read: Callable[[Partition], None] | None = None
 
     @property
+    def partition_budget(self) -> int:
+        """The pool less what saved activations may hold of it (activations.buffer, with activations.tier nvme)."""
+        return self.pool.nbytes - self.config.activations.host_bytes
+
+    @property
     def budget_text(self) -> str:
         """The host budget partitions share, as error messages name it."""
-        size = format_size(self.pool.nbytes)
+        size = format_size(self.partition_budget)
         if self.config.activations.host_bytes:
             return f"memory.host_budget less activations.buffer ({size})"
         return f"memory.host_budget ({size})"

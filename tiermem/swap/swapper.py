@@ -112,7 +112,7 @@ class TensorSwapper:
         self.partitions: dict[str, Partition] = {}  # by name, in insertion order
         self.ledger = Ledger(host_budget=None, device_budget=cfg.memory.device_budget)
         # every partition's host bytes come from here; the activations' buffer is the budget's other part
-        pool = HostBufferPool(cfg.memory.host_budget - cfg.activations.host_bytes)
+        pool = HostBufferPool(cfg.memory.host_budget)  # one cache for every partition, saved activations too
         self.ledger.budget["host"] = pool.nbytes
         self.cache = HostCache(cfg, self._lock, self.partitions, self.ledger, pool, self.mover, engine)
         self.device_cap: int | None = cfg.memory.device_budget  # explicit, or derived by the runtime
@@ -140,6 +140,11 @@ class TensorSwapper:
         return self.cache.budget_text
 
     @property
+    def partition_budget(self) -> int:
+        """Host bytes for partitions other than saved activations (which may hold activations.buffer)."""
+        return self.cache.partition_budget
+
+    @property
     def defer_registration(self) -> bool:
         return self.cache.defer_registration
 
@@ -165,6 +170,24 @@ class TensorSwapper:
             if tier == "device":
                 return part.device_state is not DeviceState.NONE or part.want_device
             return part.host_state is not HostState.NONE
+
+    def holds_host(self, part: Partition) -> bool:
+        """Whether `part` holds host memory now (its bytes there, or being read into it)."""
+        with self._lock:
+            return part.host_state is not HostState.NONE
+
+    def write_back(self, part: Partition) -> IOFuture:
+        """Start writing a dirty NVMe partition's host copy to disk (it stays cached); the future completes
+        when it is written."""
+        with self._lock:
+            if part.home is Tier.NVME and part.dirty and part.host_state is HostState.READY:
+                return self.cache.start_write(part, free_after=False)
+            return part.pending or done_future()
+
+    def keep_resident(self, part: Partition, keep: bool = True) -> None:
+        """Keep `part` in host memory between uses (evicted only when nothing else can be), or stop."""
+        with self._lock:
+            part.pinned = keep
 
     def derive_device_cap(self, largest_unit: int, window_bytes: int) -> None:
         """Cap the device at what stays there for good, plus two units in use and the window, when

@@ -113,6 +113,17 @@ class CudaMover(DeviceMover):
         self._stream.synchronize()
 
 
+class _CopyDone:
+    """The copying device's event: its copies are synchronous, so it is always done; returned so that the
+    code waiting on CUDA events runs on it too."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
 class CopyingMover(DeviceMover):
     """Computes on the CPU but keeps the device tier in separate, tracked tensors."""
 
@@ -130,15 +141,15 @@ class CopyingMover(DeviceMover):
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         dev = self.empty(host.numel())
         dev.copy_(host)
-        return dev, None
+        return dev, _CopyDone()
 
     def to_host(self, dev: torch.Tensor, host: torch.Tensor) -> object | None:
         host.copy_(dev)
-        return None
+        return _CopyDone()
 
     def to_device_into(self, host: torch.Tensor, dev: torch.Tensor) -> object | None:
         dev.copy_(host)
-        return None
+        return _CopyDone()
 
 
 def make_mover(device: torch.device) -> DeviceMover:
