@@ -261,3 +261,103 @@ def test_after_backward_the_next_window_waits_on_the_host(tmp_path, dev: Copying
             assert tm.stats()["now_bytes"]["device"] == 0
             tm.optimizer.step()
             tm.optimizer.zero_grad()
+
+
+class _CopiesInto(TorchDispatchMode):
+    """Counts copy_ calls whose destination lies in one of the given host address ranges."""
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.ranges = ranges
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.copy_.default:
+            ptr = args[0].data_ptr()
+            self.count += any(lo <= ptr < hi for lo, hi in self.ranges)
+        return func(*args, **(kwargs or {}))
+
+
+def test_gradients_leave_the_device_once_per_unit(tmp_path, dev: CopyingDevice) -> None:
+    """A unit's gradients reach their host accumulators in one copy per backward, not one per parameter."""
+    model = models.gpt2(layers=2, width=32, vocab=100)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"memory.host_budget": "4MiB",
+                                                                 "grads.tier": "cpu"})) as tm:
+        units = [st for st in tm.optimizer.units]
+        params = sum(len(st.trainable) for st in units)
+        assert params > len(units)  # else the test could not tell the two apart
+        spans = []
+        for st in units:
+            flat = tm.swapper.acquire(st.grads, "host")
+            start = next(iter(flat.values())).data_ptr()
+            spans.append((start, start + st.grads.size))
+            tm.swapper.release(st.grads)
+        counter = _CopiesInto(spans)
+        loss = model(ids, labels=ids).loss
+        with counter:
+            tm.backward(loss)
+        assert counter.count == len(units)
+        tm.optimizer.step()
+
+
+def test_a_dirty_release_copies_outside_the_swapper_lock(tmp_path, dev: CopyingDevice, monkeypatch) -> None:
+    """While release(dirty=True) copies a unit back from the device, other threads can use the swapper."""
+    with TensorSwapper(**cfg(tmp_path, **{"memory.host_budget": "4MiB"})) as sw:
+        part = sw.add("p", {"w": torch.zeros(4096)})
+        other = sw.add("q", {"w": torch.ones(4096)})
+        views = sw.acquire(part, "device")
+        views["w"].fill_(3.0)
+        got_in = threading.Event()
+        real = CopyingMover.to_host
+
+        def slow_to_host(self: CopyingMover, d: torch.Tensor, h: torch.Tensor) -> Any:
+            def use_the_swapper() -> None:
+                sw.acquire(other, "host")
+                sw.release(other)
+                got_in.set()
+
+            threading.Thread(target=use_the_swapper, daemon=True).start()
+            got_in.wait(10)  # with the lock held here, the other thread could not get in
+            return real(self, d, h)
+
+        monkeypatch.setattr(CopyingMover, "to_host", slow_to_host)
+        sw.release(part, dirty=True)
+        assert got_in.is_set()
+        assert float(sw.acquire(part, "host")["w"][0]) == 3.0
+        sw.release(part)
+
+
+def test_a_prefetch_never_demotes_a_unit_fetched_ahead(tmp_path, dev: CopyingDevice) -> None:
+    """With memory.device_budget full, a prefetch is skipped rather than demote one fetched ahead and not yet
+    used (which its acquire would then have to copy again)."""
+    with TensorSwapper(**cfg(tmp_path, **{"memory.host_budget": "4MiB", "memory.device_budget": "128KiB"})) as sw:
+        parts = [sw.add(f"p{i}", {"w": torch.full((16384,), float(i))}) for i in range(3)]  # 64 KiB each
+        held = sw.acquire(parts[0], "device")
+        sw.prefetch(parts[1], "device")
+        assert sw.is_on_the_way(parts[1], "device")
+        sw.prefetch(parts[2], "device")  # no room: skipped
+        sw.pump()
+        assert parts[1].state.value == "on device"
+        assert float(held["w"][0]) == 0.0
+        sw.release(parts[0])
+        assert float(sw.acquire(parts[1], "device")["w"][0]) == 1.0
+        sw.release(parts[1])
+
+
+def test_close_waits_for_the_copies_before_freeing_host_memory(tmp_path, dev: CopyingDevice, monkeypatch) -> None:
+    """The swapper ends the device copies (its mover) before it unmaps the host pool they read and write."""
+    from tiermem.io.buffers import HostBufferPool
+
+    order: list[str] = []
+    monkeypatch.setattr(CopyingMover, "close", lambda self: order.append("copies"))
+    real_close = HostBufferPool.close
+    monkeypatch.setattr(HostBufferPool, "close", lambda self: (order.append("pool"), real_close(self))[1])
+    sw = TensorSwapper(**cfg(tmp_path, **{"memory.host_budget": "4MiB"}))
+    part = sw.add("p", {"w": torch.zeros(4096)})
+    sw.acquire(part, "device")
+    sw.release(part)
+    sw.close()
+    assert order == ["copies", "pool"]
