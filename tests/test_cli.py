@@ -75,11 +75,41 @@ def test_bench_io_without_o_direct_says_cache_dropped(ramfs_dir: str) -> None:
     (["--queue-depth", "x"], "--queue-depth: expected integers >= 1"),
     (["--runs", "0"], "--runs: expected an integer >= 1"),
     (["--sweep", "--block-size", "1MiB"], "--sweep chooses block sizes"),
+    (["--size", "1e400"], "--size: expected at most 9223372036854775807 bytes (8 EiB), got '1e400'"),
+    (["--size", "1e300TiB"], "--size: expected at most 9223372036854775807 bytes (8 EiB)"),
+    (["--block-size", "1e400"], "--block-size: expected at most"),
+    (["--stripe-size", "1e400"], "--stripe-size: expected at most"),
+    (["--queue-depth", "1e400"], "--queue-depth: expected integers >= 1, got '1e400'"),
 ])
 def test_bench_io_bad_options_name_the_option(args: list[str], message: str, capsys, tmp_path) -> None:
     """Each bad option exits 2 with a message naming the option and what it expects."""
     assert main(["bench", "io", "--path", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--size", "9" * 5000], ["--queue-depth", "9" * 5000],
+                                  ["--block-size", "x" * 5000]], ids=["size", "queue-depth", "block-size"])
+def test_bench_io_long_bad_option_gives_a_short_message(args: list[str], capsys, tmp_path) -> None:
+    """A bad option thousands of characters long is quoted cut short, in one line."""
+    assert main(["bench", "io", "--path", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tiermem: error: {args[0]}: ") and err.count("\n") == 1 and len(err) < 300, err[:300]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("args", "flag"), [
+    (["bench", "io", "--size", "1e400"], "--size"),
+    (["bench", "io", "--block-size", "1e400"], "--block-size"),
+    (["demo", "--host-budget", "1e400"], "--host-budget"),
+    (["demo", "--only", "train", "--train-budget", "1e400"], "--train-budget"),
+    (["demo", "--host-budget", "lots"], "--host-budget"),
+], ids=["bench-size", "bench-block-size", "demo-host-budget", "demo-train-budget", "demo-garbage"])
+def test_size_flag_overflow_is_one_line_exit_2(args: list[str], flag: str, tmp_path) -> None:
+    """A size flag such as `--size 1e400` exits 2 with one `tiermem: error:` line naming the flag, no traceback."""
+    res = _tiermem(*args, "--path" if args[0] == "bench" else "--dir", str(tmp_path))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.startswith(f"tiermem: error: {flag}: ") and res.stderr.count("\n") == 1, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and res.stdout == ""
 
 
 def test_bench_io_unwritable_path_is_a_clear_error(tmp_path, capsys) -> None:

@@ -13,6 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiermem import config as config_module
 from tiermem.cli import config_cmd
 from tiermem.config import (
     Config,
@@ -23,12 +24,12 @@ from tiermem.config import (
     OptimizerConfig,
     ParamsConfig,
     PrefetchConfig,
-    TraceConfig,
     WrapConfig,
     format_config,
     load_config,
 )
 from tiermem.errors import ConfigError, TiermemError
+from tiermem.sizes import parse_size
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -103,7 +104,7 @@ def test_defaults_match_the_contract() -> None:
     assert cfg.prefetch == PrefetchConfig(depth=2, max_bytes=None)
     assert cfg.wrap == WrapConfig(classes=(), min_unit_bytes=MiB)
     assert cfg.io == IOConfig(engine="auto", block_size=MiB, queue_depth=32, direct=True, sqpoll=False)
-    assert cfg.trace == TraceConfig(path=None)
+    assert not hasattr(cfg, "trace")
     assert cfg == Config()
     assert cfg.origin == "defaults"
 
@@ -289,7 +290,7 @@ def test_format_config_round_trips_shipped_configs(path: pathlib.Path, tmp_path:
 
 
 def test_format_config_round_trips_unusual_values(tmp_path: pathlib.Path) -> None:
-    """Round trip holds for non-unit sizes, class lists, cuda:N, trace paths and two drives."""
+    """Round trip holds for non-unit sizes, class lists, cuda:N and two drives."""
     cfg = load_config(
         {
             "device": "cuda:3",
@@ -299,7 +300,6 @@ def test_format_config_round_trips_unusual_values(tmp_path: pathlib.Path) -> Non
             "prefetch": {"depth": 0, "max_bytes": "1e8"},
             "wrap": {"classes": ["GPT2Block", "Embedding"], "min_unit_bytes": 0},
             "io": {"engine": "io_uring", "sqpoll": True, "queue_depth": 4096},
-            "trace": {"path": str(tmp_path / "trace.json")},
         }
     )
     text = format_config(cfg)
@@ -417,9 +417,10 @@ BAD_CONFIGS: list[tuple[str, dict[Any, Any], str]] = [
         "wrap.classes: expected a list of module class names, got a string 'Block'; write [Block]",
     ),
     ("classes-empty-name", {"wrap": {"classes": [""]}}, "wrap.classes[0]: expected a non-empty string"),
-    ("trace-empty", {"trace": {"path": ""}}, "trace.path: expected a non-empty path string"),
-    ("trace-int", {"trace": {"path": 5}}, "trace.path: expected a non-empty path string"),
-    ("trace-dir", {"trace": {"path": "/"}}, "trace.path: expected a file path"),
+    # tracing is not implemented, so its keys are refused rather than silently ignored
+    ("trace-path", {"trace": {"path": "/tmp/trace.json"}}, "trace.path: timeline tracing is not implemented yet"),
+    ("trace-null-path", {"trace": {"path": None}}, "trace.path: timeline tracing is not implemented yet"),
+    ("trace-empty-section", {"trace": None}, "trace: timeline tracing is not implemented yet"),
     # combination rules (docs/config.md, "Combination rules")
     (
         "rule-grads-nvme-opt-cpu",
@@ -586,23 +587,205 @@ def test_nvme_path_not_writable_per_os_access(tmp_path: pathlib.Path, monkeypatc
 
 
 def test_paths_are_expanded_and_absolute(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """nvme.paths and trace.path expand ~ and $VARS and become absolute."""
+    """nvme.paths expand ~ and $VARS and become absolute."""
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("TIERMEM_TEST_DIR", str(tmp_path / "env"))
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(
-        {
-            "nvme": {"paths": ["~/swap", "$TIERMEM_TEST_DIR/swap", "rel/swap"]},
-            "trace": {"path": "${TIERMEM_TEST_DIR}/trace.json"},
-        }
-    )
+    cfg = load_config({"nvme": {"paths": ["~/swap", "${TIERMEM_TEST_DIR}/swap", "rel/swap"]}})
     assert cfg.nvme.paths == (
         str(tmp_path / "swap"),
         str(tmp_path / "env" / "swap"),
         str(tmp_path / "rel" / "swap"),
     )
-    assert cfg.trace.path == str(tmp_path / "env" / "trace.json")
     assert isinstance(cfg.nvme.paths, tuple)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile and odd input: every test here is bounded in time, and every message in length
+
+
+def _alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """YAML "billion laughs": each level lists the previous one `width` times, so the last is width**levels."""
+    rows = ["  - &a0 [" + ", ".join(["lol"] * width) + "]"]
+    for i in range(1, levels):
+        rows.append(f"  - &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")
+    return "params:\n" + "\n".join(rows) + "\n"
+
+
+def _flow_alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """The same bomb as one flow-style YAML value, for --set."""
+    items = ["&a0 [" + ", ".join(["lol"] * width) + "]"]
+    items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+def _check_short(message: str) -> None:
+    assert len(message) < 400, f"{len(message)} characters: {message[:200]}..."
+
+
+@pytest.mark.timeout(20)
+def test_yaml_alias_bomb_is_refused_at_once(tmp_path: pathlib.Path) -> None:
+    """A "billion laughs" alias bomb fails fast, naming the file and line, in a short message."""
+    path = _write(tmp_path / "bomb.yaml", _alias_bomb())
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert re.match(rf"^{re.escape(path)}:\d+:\d+: .*more than 10000 values", message), message
+    _check_short(message)
+
+
+@pytest.mark.timeout(20)
+def test_recursive_yaml_alias_is_refused(tmp_path: pathlib.Path) -> None:
+    """An alias inside the value it names (a value that contains itself) is refused, naming the line."""
+    path = _write(tmp_path / "loop.yaml", "wrap:\n  classes: &x [a, *x]\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}:2:\d+: .*contains itself"):
+        load_config(path)
+
+
+@pytest.mark.timeout(20)
+def test_python_override_bomb_is_described_briefly() -> None:
+    """A shared-reference structure passed from Python (2**40 leaves) is described in a bounded message."""
+    bomb: list[Any] = ["lol"]
+    for _ in range(40):
+        bomb = [bomb, bomb]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, wrap__classes=bomb)
+    assert str(info.value).startswith("wrap.classes[0]: expected a non-empty string, got a list")
+    _check_short(str(info.value))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("levels", [33, 5000])
+def test_deep_yaml_nesting_is_refused(tmp_path: pathlib.Path, levels: int) -> None:
+    """YAML nested deeper than 32 levels fails with path:line:column, never a RecursionError."""
+    path = _write(tmp_path / "deep.yaml", "wrap:\n  classes: " + "[" * levels + "]" * levels + "\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}:2:\d+: .*deeper than 32 levels"):
+        load_config(path)
+
+
+@pytest.mark.timeout(20)
+def test_deep_nesting_through_aliases_is_refused(tmp_path: pathlib.Path) -> None:
+    """Aliases that stack shallow values into one deeper than 32 levels are refused too."""
+    text = "wrap:\n  classes:\n    - &a " + "[" * 20 + "x" + "]" * 20 + "\n    - " + "[" * 20 + "*a" + "]" * 20 + "\n"
+    path = _write(tmp_path / "stacked.yaml", text)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}:\d+:\d+: .*deeper than 32 levels"):
+        load_config(path)
+
+
+def test_oversized_config_file_is_refused(tmp_path: pathlib.Path) -> None:
+    """A config file over 1 MiB is refused with its path and the limit, before it is parsed."""
+    path = _write(tmp_path / "big.yaml", "# padding\n" * (MiB // 10 + 1))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: config file is larger than 1 MiB"):
+        load_config(path)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("digits", ["9" * 5000, "1" + ":1" * 300_000], ids=["decimal", "base-60"])
+def test_overlong_yaml_integer_is_refused(tmp_path: pathlib.Path, digits: str) -> None:
+    """An integer too long for any key (5000 digits, or a 300,000-part base-60 one) fails fast with its line."""
+    path = _write(tmp_path / "long.yaml", f"prefetch:\n  depth: {digits}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert re.match(rf"^{re.escape(path)}:2:\d+: .*integer .*too long", str(info.value)), str(info.value)
+    _check_short(str(info.value))
+
+
+NON_FINITE_YAML = [".inf", "-.inf", ".nan", ".NaN", "1e400", "1.0e+400", "1e300TiB", "-1e400"]
+
+
+@pytest.mark.parametrize("text", NON_FINITE_YAML)
+@pytest.mark.parametrize("key", ["memory.host_budget", "memory.device_budget", "prefetch.max_bytes",
+                                 "io.block_size", "wrap.min_unit_bytes", "activations.buffer"])
+def test_non_finite_size_in_yaml_names_the_key(tmp_path: pathlib.Path, key: str, text: str) -> None:
+    """.inf, .nan and numbers past any byte count give a ConfigError led by the key, never OverflowError."""
+    section, name = key.split(".")
+    path = _write(tmp_path / "c.yaml", f"{section}:\n  {name}: {text}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{key}: expected "), str(info.value)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 10**40, "1e400", "9" * 5000],
+                         ids=["inf", "-inf", "nan", "10**40", "'1e400'", "'9'*5000"])
+def test_non_finite_size_from_python_names_the_key(value: object) -> None:
+    """The same holds for values given from Python: each error names the key and is short."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, **{"memory.host_budget": value})
+    assert str(info.value).startswith("memory.host_budget: expected "), str(info.value)
+    _check_short(str(info.value))
+
+
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan"])
+@pytest.mark.parametrize("key", ["prefetch.depth", "io.queue_depth"])
+def test_non_finite_integer_names_the_key(tmp_path: pathlib.Path, key: str, text: str) -> None:
+    """Integer keys refuse .inf and .nan naming the key."""
+    section, name = key.split(".")
+    path = _write(tmp_path / "c.yaml", f"{section}:\n  {name}: {text}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: expected an integer"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (float("inf"), "disk: expected a byte count such as 4096, 1e9, 64MiB or 1.5GiB, got inf, which is not finite"),
+        (float("nan"), "disk: expected a byte count such as 4096, 1e9, 64MiB or 1.5GiB, got nan, which is not finite"),
+        ("1e400", "disk: expected at most 9223372036854775807 bytes (8 EiB), got '1e400'"),
+        ("1e300TiB", "disk: expected at most 9223372036854775807 bytes (8 EiB), got '1e300TiB'"),
+        (2**63, "disk: expected at most 9223372036854775807 bytes (8 EiB), got 9223372036854775808"),
+    ],
+    ids=["inf", "nan", "'1e400'", "'1e300TiB'", "2**63"],
+)
+def test_parse_size_refuses_non_finite_and_overflow(value: object, message: str) -> None:
+    """parse_size raises a ValueError naming `what` for inf, nan and sizes past 2**63 - 1 bytes."""
+    with pytest.raises(ValueError) as info:
+        parse_size(value, what="disk")
+    assert str(info.value) == message
+
+
+def test_parse_size_keeps_the_largest_sizes() -> None:
+    """Sizes up to 2**63 - 1 bytes (the largest file offset) still parse, exactly."""
+    assert parse_size(2**63 - 1) == 2**63 - 1
+    assert parse_size("8388607TiB") == (2**23 - 1) * 2**40
+    assert parse_size(9.2e18) == 9_200_000_000_000_000_000
+
+
+def test_long_values_are_shortened_in_messages() -> None:
+    """A wrong value is shown cut to about 80 characters, however long it is."""
+    long = "x" * 100_000
+    for raw in ({"params": {"tier": long}}, {"nvme": {"paths": [long + "$NOPE_UNSET_VAR"]}},
+                {"wrap": {"classes": long}}, {"prefetch": {long: 1}}, {"io": {"block_size": long}}):
+        with pytest.raises(ConfigError) as info:
+            load_config(raw)
+        _check_short(str(info.value))
+
+
+@pytest.mark.timeout(20)
+def test_long_duplicate_key_is_shortened(tmp_path: pathlib.Path) -> None:
+    """A key given twice is named in a short message even when the key is long (YAML allows 1024 characters)."""
+    key = "k" * 1000
+    path = _write(tmp_path / "dup.yaml", f"{key}: 1\n{key}: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}:2: key 'kkk"), str(info.value)[:200]
+    _check_short(str(info.value))
+
+
+def test_host_budget_above_physical_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """memory.host_budget larger than this machine's RAM fails naming the key and both figures."""
+    monkeypatch.setattr(config_module, "_physical_memory", lambda: 8 * GiB)
+    with pytest.raises(ConfigError) as info:
+        load_config({**HOST_ONLY, "memory": {"host_budget": "16GiB"}})
+    assert str(info.value).startswith(
+        "memory.host_budget: expected at most this machine's physical memory (8 GiB), got 16GiB"
+    ), str(info.value)
+    assert load_config({**HOST_ONLY, "memory": {"host_budget": "8GiB"}}).memory.host_budget == 8 * GiB
+
+
+def test_absurd_host_budget_is_refused_here() -> None:
+    """On the real machine, a host budget of 1 PiB is refused at load, not left to fail in mmap."""
+    with pytest.raises(ConfigError, match=r"^memory\.host_budget: expected at most this machine's physical memory"):
+        load_config({**HOST_ONLY, "memory": {"host_budget": "1024TiB"}})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -713,6 +896,34 @@ def test_cli_set_needs_key_value(capsys: pytest.CaptureFixture[str]) -> None:
         _cli(["config", "show", "--set", "prefetch.depth"])
     assert info.value.code == 2
     assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("[" * 5000 + "]" * 5000, "deeper than 32 levels"),
+        (_flow_alias_bomb(), "more than 10000 values"),
+        ("9" * 5000, "too long"),
+    ],
+    ids=["deep", "alias-bomb", "long-integer"],
+)
+def test_cli_set_value_is_bounded_like_a_file(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A hostile --set value is an argparse usage error (exit 2) with a short message naming the key."""
+    with pytest.raises(SystemExit) as info:
+        _cli(["config", "show", "--set", f"wrap.classes={value}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert re.search(r"argument --set: wrap\.classes:1:\d+: ", last) and message in last, err[-500:]
+    _check_short(last)
+
+
+def test_cli_show_non_finite_set_value_names_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """`config show --set memory.host_budget=.inf` exits 2 naming the key, not with an OverflowError."""
+    args = _cli(["config", "show", "--set", "memory.host_budget=.inf"])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err.startswith("memory.host_budget: expected ")
 
 
 def test_cli_config_needs_subcommand(capsys: pytest.CaptureFixture[str]) -> None:

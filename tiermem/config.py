@@ -21,7 +21,7 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from tiermem.errors import ConfigError
-from tiermem.sizes import SIZE_HINT, parse_size
+from tiermem.sizes import SIZE_HINT, format_size, parse_size, short_repr
 
 __all__ = [
     "Config",
@@ -34,7 +34,6 @@ __all__ = [
     "PrefetchConfig",
     "WrapConfig",
     "IOConfig",
-    "TraceConfig",
     "load_config",
     "format_config",
 ]
@@ -77,22 +76,30 @@ _BYTES: dict[str, Any] = {"bytes": True}
 
 
 def _describe(value: object) -> str:
-    """Name a wrong value for a message: its YAML-ish type and its repr."""
+    """Name a wrong value for a message: its YAML-ish type and its repr, cut short (see short_repr)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return f"a boolean ({str(value).lower()})"
     if isinstance(value, str):
-        return f"a string {value!r}"
+        return f"a string {short_repr(value)}"
     if isinstance(value, Mapping):
         return "a mapping"
     if isinstance(value, (list, tuple)):
-        return f"a list {list(value)!r}"
-    return f"{type(value).__name__} {value!r}"
+        return f"a list {short_repr(list(value))}"
+    return f"{type(value).__name__} {short_repr(value)}"
+
+
+def _key_text(key: object) -> str:
+    """A mapping key as it appears in a dotted key path, cut short like a value."""
+    text = key if isinstance(key, str) else short_repr(key)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _suggest(word: str, options: Sequence[str]) -> str:
     """Return "; did you mean 'x'?" for a close option, else ""."""
+    if len(word) > 80:  # no option is that long, and difflib's cost grows with the length
+        return ""
     close = difflib.get_close_matches(word, list(options), n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -103,7 +110,7 @@ def _int(key: str, value: object, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key}: expected {want}, got {_describe(value)}")
     if value < lo or (hi is not None and value > hi):
-        raise ConfigError(f"{key}: expected {want}, got {value}")
+        raise ConfigError(f"{key}: expected {want}, got {short_repr(value)}")
     return value
 
 
@@ -126,7 +133,7 @@ def _choice(key: str, value: object, options: Sequence[str], aliases: Mapping[st
     if value not in options:
         alias = (aliases or {}).get(value.lower())
         hint = f"; did you mean {alias!r}?" if alias else _suggest(value, options)
-        raise ConfigError(f"{key}: expected one of {listed}, got {value!r}{hint}")
+        raise ConfigError(f"{key}: expected one of {listed}, got {short_repr(value)}{hint}")
     return value
 
 
@@ -139,12 +146,13 @@ def _size(key: str, value: object, *, minimum: int = 0, align: int = 1) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if nbytes < minimum:
-        raise ConfigError(f"{key}: expected a size of at least {minimum} bytes, got {value!r}")
+        raise ConfigError(f"{key}: expected a size of at least {minimum} bytes, got {short_repr(value)}")
     if nbytes % align:
         down = nbytes // align * align
         near = " or ".join(str(_human_size(n)) for n in (down, down + align) if n)
         raise ConfigError(
-            f"{key}: expected a multiple of {align} bytes for direct I/O, got {value!r} ({nbytes} bytes); use {near}"
+            f"{key}: expected a multiple of {align} bytes for direct I/O, got {short_repr(value)} ({nbytes} bytes);"
+            f" use {near}"
         )
     return nbytes
 
@@ -162,7 +170,8 @@ def _path(key: str, value: object) -> str:
     unset = _UNEXPANDED_VAR_RE.search(expanded)
     if unset:
         raise ConfigError(
-            f"{key}: environment variable {unset.group(0)} in {value!r} is not set; set it or write the path out"
+            f"{key}: environment variable {_key_text(unset.group(0))} in {short_repr(value)} is not set;"
+            " set it or write the path out"
         )
     return os.path.abspath(expanded)
 
@@ -170,7 +179,8 @@ def _path(key: str, value: object) -> str:
 def _str_list(key: str, value: object, what: str) -> tuple[str, ...]:
     """Return `value` as a tuple of strings; a bare string is refused, not split into letters."""
     if isinstance(value, str):
-        raise ConfigError(f"{key}: expected a list of {what}, got a string {value!r}; write [{value}]")
+        fix = f"write [{value}]" if len(value) <= 80 else "put it in a list"
+        raise ConfigError(f"{key}: expected a list of {what}, got a string {short_repr(value)}; {fix}")
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"{key}: expected a list of {what}, got {_describe(value)}")
     for i, item in enumerate(value):
@@ -182,15 +192,16 @@ def _str_list(key: str, value: object, what: str) -> tuple[str, ...]:
 def _check_writable_dir(key: str, path: str) -> None:
     """Fail unless `path` is a writable directory or could be created as one."""
     if os.path.lexists(path) and not os.path.exists(path):
-        raise ConfigError(f"{key}: {path!r} is a dangling symlink; fix or remove it")
+        raise ConfigError(f"{key}: {short_repr(path)} is a dangling symlink; fix or remove it")
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise ConfigError(
-                f"{key}: expected a directory, got {path!r} which exists and is not one; point it at a directory"
+                f"{key}: expected a directory, got {short_repr(path)} which exists and is not one;"
+                " point it at a directory"
             )
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(
-                f"{key}: expected a writable directory, got {path!r} which this user cannot"
+                f"{key}: expected a writable directory, got {short_repr(path)} which this user cannot"
                 " write; fix its permissions or choose another directory"
             )
         return
@@ -200,14 +211,23 @@ def _check_writable_dir(key: str, path: str) -> None:
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ConfigError(
-            f"{key}: {path!r} cannot be created because {ancestor!r} is not a directory;"
+            f"{key}: {short_repr(path)} cannot be created because {short_repr(ancestor)} is not a directory;"
             " choose a path under a directory"
         )
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ConfigError(
-            f"{key}: {path!r} does not exist and cannot be created because {ancestor!r} is not"
+            f"{key}: {short_repr(path)} does not exist and cannot be created because {short_repr(ancestor)} is not"
             " writable by this user; create it first or choose another directory"
         )
+
+
+def _physical_memory() -> int | None:
+    """Bytes of RAM in this machine, or None where the OS does not say."""
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or a name this OS lacks
+        return None
+    return pages * page_size if pages > 0 and page_size > 0 else None
 
 
 def _human_size(nbytes: int) -> int | str:
@@ -332,7 +352,7 @@ class NvmeConfig:
         for i, p in enumerate(paths):
             if p in paths[:i]:
                 raise ConfigError(
-                    f"nvme.paths[{i}]: {p!r} is listed twice; striping needs distinct"
+                    f"nvme.paths[{i}]: {short_repr(p)} is listed twice; striping needs distinct"
                     " directories, so remove the duplicate"
                 )
         self.paths = paths
@@ -361,6 +381,14 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         self.host_budget = _size("memory.host_budget", self.host_budget, minimum=1)
+        # The pool is one mmap of the whole budget (io/buffers.py); past the RAM it fails with a bare ENOMEM, or
+        # succeeds under overcommit and swaps, neither of which names this key.
+        ram = _physical_memory()
+        if ram is not None and self.host_budget > ram:
+            raise ConfigError(
+                f"memory.host_budget: expected at most this machine's physical memory ({format_size(ram)}),"
+                f" got {_human_size(self.host_budget)}; lower memory.host_budget"
+            )
         self.device_budget = _optional_size("memory.device_budget", self.device_budget, minimum=1)
         self.cpu_allocator = _choice("memory.cpu_allocator", self.cpu_allocator, CPU_ALLOCATORS)
 
@@ -435,24 +463,6 @@ class IOConfig:
         self.sqpoll = _bool("io.sqpoll", self.sqpoll)
 
 
-@dataclass
-class TraceConfig:
-    """Timeline tracing of transfers and compute, for finding stalls."""
-
-    SECTION: ClassVar[str] = "trace"
-
-    path: str | None = None
-    """File to write a timeline trace to, stored absolute; None disables tracing."""
-
-    def __post_init__(self) -> None:
-        if self.path is not None:
-            self.path = _path("trace.path", self.path)
-            if os.path.isdir(self.path):
-                raise ConfigError(
-                    f"trace.path: expected a file path, got {self.path!r} which is a directory; name a file inside it"
-                )
-
-
 _SECTIONS: tuple[type[Any], ...] = (
     ParamsConfig,
     OptimizerConfig,
@@ -463,8 +473,13 @@ _SECTIONS: tuple[type[Any], ...] = (
     PrefetchConfig,
     WrapConfig,
     IOConfig,
-    TraceConfig,
 )
+
+# Sections that name a feature tiermem does not have yet. They are refused, not ignored, so that no config
+# asks for something that silently does not happen.
+_NOT_IMPLEMENTED = {
+    "trace": "timeline tracing is not implemented yet, so nothing would read this; remove the trace section",
+}
 
 
 @dataclass
@@ -508,9 +523,6 @@ class Config:
 
     io: IOConfig = field(default_factory=IOConfig)
     """The I/O engine."""
-
-    trace: TraceConfig = field(default_factory=TraceConfig)
-    """Timeline tracing."""
 
     origin: str = field(default="defaults", init=False, compare=False, repr=False)
     """Where this config came from (a file path, "a mapping", "defaults", plus overrides);
@@ -613,8 +625,84 @@ def _to_dict(obj: object) -> dict[str, Any]:
 _T = TypeVar("_T")
 
 
+# [Note: bounded YAML]
+# A config file or a --set value is hostile input as far as the loader knows, so what it may cost is bounded:
+# - size: at most MAX_CONFIG_BYTES of a file are read, before anything is parsed;
+# - nesting: at most MAX_YAML_DEPTH levels (a swap-config needs 3). PyYAML composes nodes recursively, so the
+#   depth is checked on the way down, long before Python's recursion limit;
+# - aliases: PyYAML makes each alias a second reference to the node it names, so a "billion laughs" file
+#   parses in microseconds into a small graph that is a billion values once something walks it (validation,
+#   an error message's repr). Counting alias events would not bound that (each alias in a chain can double
+#   the size), and refusing aliases would break anchors and merge keys, which a config may use to share a
+#   section. So as each node is composed, its size and depth with every alias expanded are worked out from
+#   its children's (a sum and a max, cheap however large the expansion), and a value past MAX_YAML_VALUES
+#   values or MAX_YAML_DEPTH levels is refused where it starts. That also bounds the aliases themselves (each
+#   counts at least one value). An alias used inside the value it names would make a value that contains
+#   itself, and is refused;
+# - integers: at most MAX_YAML_INT_CHARS characters. Python refuses to read one past 4300 digits with a bare
+#   ValueError, and YAML 1.1's base-60 integers (1:30:00) take time quadratic in their length.
+# Every limit is far above what a swap-config needs, and each failure is a ConfigError naming the file (or the
+# --set key), line and column. The values themselves are checked, and named by key, by the components.
+
+MAX_CONFIG_BYTES = 1024**2
+MAX_YAML_DEPTH = 32
+MAX_YAML_VALUES = 10_000
+MAX_YAML_INT_CHARS = 64
+
+
+def _at(mark: yaml.Mark) -> str:
+    """Where a YAML mark points, as source:line:column."""
+    return f"{mark.name}:{mark.line + 1}:{mark.column + 1}"
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """A safe YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+    """A safe YAML loader with the bounds of [Note: bounded YAML] that refuses a key given twice in one
+    mapping (PyYAML keeps the last)."""
+
+    def __init__(self, text: str, source: str) -> None:
+        super().__init__(text)
+        self.name = source  # marks, and so every message, name the file or --set key, not "<unicode string>"
+        self._depth = 0  # levels down to the node being composed; the document's top is 1
+        self._expanded: dict[int, tuple[int, int]] = {}  # id(node) -> (values, levels) with aliases expanded
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        mark = self.peek_event().start_mark
+        alias = self.check_event(yaml.AliasEvent)
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise ConfigError(f"{_at(mark)}: nested deeper than {MAX_YAML_DEPTH} levels; a swap-config needs 3")
+            node = super().compose_node(parent, index)
+            if node is None:
+                return None
+            expanded = self._expanded.get(id(node))
+            if expanded is None:
+                if alias:  # named by an anchor whose value is still being composed, around this alias
+                    raise ConfigError(f"{_at(mark)}: this alias is inside the value it names, so that value"
+                                      " contains itself; write the value out")
+                expanded = self._expand(node)
+                self._expanded[id(node)] = expanded
+            values, levels = expanded
+            if values > MAX_YAML_VALUES:
+                raise ConfigError(f"{_at(mark)}: this holds more than {MAX_YAML_VALUES} values once its aliases"
+                                  " are expanded; a swap-config has about 40")
+            if self._depth - 1 + levels > MAX_YAML_DEPTH:
+                raise ConfigError(f"{_at(mark)}: nested deeper than {MAX_YAML_DEPTH} levels once its aliases are"
+                                  " expanded; a swap-config needs 3")
+            return node
+        finally:
+            self._depth -= 1
+
+    def _expand(self, node: yaml.Node) -> tuple[int, int]:
+        """(values, levels) of a node just composed, from its children's (composed before it)."""
+        if isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        else:
+            return 1, 1
+        sizes = [self._expanded[id(child)] for child in children]
+        return 1 + sum(v for v, _ in sizes), 1 + max((lv for _, lv in sizes), default=0)
 
 
 def _construct_mapping_no_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Any:
@@ -627,35 +715,71 @@ def _construct_mapping_no_duplicates(loader: yaml.SafeLoader, node: yaml.Mapping
             line = key_node.start_mark.line + 1
             first = seen[key].start_mark.line + 1
             raise ConfigError(
-                f"{key_node.start_mark.name}:{line}: key {key!r} is given twice (first on line {first}); keep one"
+                f"{key_node.start_mark.name}:{line}: key {short_repr(key)} is given twice (first on line {first});"
+                " keep one"
             )
         seen[key] = key_node
     return loader.construct_mapping(node)
 
 
+def _construct_bounded_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    if len(node.value) > MAX_YAML_INT_CHARS:
+        raise ConfigError(
+            f"{_at(node.start_mark)}: integer {short_repr(node.value)} is too long ({len(node.value)} characters,"
+            f" at most {MAX_YAML_INT_CHARS})"
+        )
+    return loader.construct_yaml_int(node)
+
+
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping_no_duplicates)
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_bounded_int)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parse one YAML document within the bounds of [Note: bounded YAML].
+
+    `source` names the text in messages: a file path, or the key a ``--set`` value is for. Every failure is
+    a ConfigError that starts with it (and the line and column when there are some).
+    """
+    loader = _StrictLoader(text, source)
+    try:
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = exc.problem or exc.context or "syntax error"
+        raise ConfigError(f"{_at(mark) if mark else source}: not valid YAML: {_clip(problem)}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {_clip(str(exc))}") from None
+    finally:
+        loader.dispose()
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """`text` cut to `limit` characters; PyYAML's problems quote the input, which may be long."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _read_yaml(path: str) -> Any:
     """Parse YAML file `path`; every failure becomes a ConfigError naming the path (and line)."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            return yaml.load(fh, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader is a SafeLoader
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)  # no more, whatever the path turns out to be
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file does not exist; check the path") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: expected a YAML file, got a directory") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path}: config file is larger than {format_size(MAX_CONFIG_BYTES)}; a swap-config is a few hundred"
+            " bytes, so check the path"
+        )
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid UTF-8 text ({exc.reason})") from None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        problem = exc.problem or exc.context or "syntax error"
-        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_yaml(text, path)
 
 
 def _build(cls: type[_T], raw: object, prefix: str) -> _T:
@@ -668,7 +792,11 @@ def _build(cls: type[_T], raw: object, prefix: str) -> _T:
         raise ConfigError(f"{where}: expected a mapping with keys {', '.join(names)}, got {_describe(raw)}")
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
+        path = f"{prefix}.{_key_text(key)}" if prefix else _key_text(key)
+        if cls is Config and key in _NOT_IMPLEMENTED:
+            first = next(iter(value), None) if isinstance(value, Mapping) else None
+            where = f"{path}.{_key_text(first)}" if first is not None else path
+            raise ConfigError(f"{where}: {_NOT_IMPLEMENTED[key]}")
         if not isinstance(key, str) or key not in names:
             hint = _suggest(str(key), names) or f"; expected one of {', '.join(names)}"
             raise ConfigError(f"{path}: unknown key{hint}")
@@ -765,7 +893,7 @@ def load_config(
         raw = dict(raw)
         for key, value in overrides.items():
             _apply_override(raw, key, value)
-        shown = ", ".join(f"{'.'.join(_normalise_override_key(k))}={v!r}" for k, v in overrides.items())
+        shown = ", ".join(f"{'.'.join(_normalise_override_key(k))}={short_repr(v)}" for k, v in overrides.items())
         origin = f"{origin} with overrides {shown}"
     cfg = _build(Config, raw, "")
     cfg.origin = origin

@@ -1,8 +1,10 @@
-"""Human byte sizes: parse `64MiB`, `1.5GiB`, `1e9`, `4096`; format bytes for people."""
+"""Human byte sizes: parse `64MiB`, `1.5GiB`, `1e9`, `4096`; format bytes for people; quote values briefly."""
 
 from __future__ import annotations
 
+import math
 import re
+import reprlib
 
 _UNITS = {
     "": 1,
@@ -25,33 +27,77 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 
 SIZE_HINT = "a byte count such as 4096, 1e9, 64MiB or 1.5GiB"
 
+# The largest byte count anything can use: file offsets (off_t) and tensor sizes are signed 64-bit.
+MAX_SIZE = 2**63 - 1
+
+# Longest quote of a value in a message; the value itself may be a megabyte string or an alias bomb.
+SHORT_REPR_CHARS = 80
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib with room for a path, and enormous ints described instead of converted to digits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = self.maxother = SHORT_REPR_CHARS
+        self.maxlong = 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        # str() of an int past 4300 digits raises ValueError (and takes quadratic time before that)
+        if x.bit_length() > 256:
+            return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
+        return super().repr_int(x, level)
+
+
+_short_repr = _ShortRepr()
+
+
+def short_repr(value: object) -> str:
+    """repr(value) cut to about 80 characters, for error messages.
+
+    It visits at most a few levels and items of a container, so a deeply nested or alias-shared structure
+    (YAML's "billion laughs") costs no more to quote than a small one.
+    """
+    text = _short_repr.repr(value)
+    return text if len(text) <= SHORT_REPR_CHARS else text[: SHORT_REPR_CHARS - 3] + "..."
+
 
 def parse_size(value: object, *, what: str = "size") -> int:
     """Return `value` as a whole number of bytes.
 
     Accepts ints, floats that are whole numbers of bytes, and strings such as ``"64MiB"``,
     ``"1.5GiB"``, ``"1e9"``, ``"512k"``. Binary units (KiB, MiB, GiB, TiB) are powers of 1024,
-    decimal ones (kB, MB, GB, TB) powers of 1000. Raises ValueError naming `what` otherwise.
+    decimal ones (kB, MB, GB, TB) powers of 1000. The result is at most `MAX_SIZE`.
+
+    Raises:
+        ValueError: the message starts with `what` (a config key or a command-line flag), so callers
+            can pass it on as it is; inf, nan and sizes past `MAX_SIZE` (``"1e400"``) included.
     """
+    shown = short_repr(value)
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected {SIZE_HINT}, got {value!r}")
+        raise ValueError(f"{what}: expected {SIZE_HINT}, got {shown}")
     if isinstance(value, int):
         number: float = value
         unit = 1
     elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{what}: expected {SIZE_HINT}, got {shown}, which is not finite")
         number, unit = value, 1
     elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"{what}: expected {SIZE_HINT}, got {value!r}")
-        number, unit = float(match.group(1)), _UNITS[match.group(2).lower()]
+            raise ValueError(f"{what}: expected {SIZE_HINT}, got {shown}")
+        number, unit = float(match.group(1)), _UNITS[match.group(2).lower()]  # "1e400" reads as inf
     else:
-        raise ValueError(f"{what}: expected {SIZE_HINT}, got {type(value).__name__} {value!r}")
+        raise ValueError(f"{what}: expected {SIZE_HINT}, got {type(value).__name__} {shown}")
     total = number * unit
+    if total > MAX_SIZE:  # an infinite product too; checked before int(), which cannot take inf
+        raise ValueError(f"{what}: expected at most {MAX_SIZE} bytes (8 EiB), got {shown}")
     if total != int(total):
-        raise ValueError(f"{what}: {value!r} is not a whole number of bytes")
+        raise ValueError(f"{what}: {shown} is not a whole number of bytes")
     if total < 0:
-        raise ValueError(f"{what}: expected a size >= 0, got {value!r}")
+        raise ValueError(f"{what}: expected a size >= 0, got {shown}")
     return int(total)
 
 

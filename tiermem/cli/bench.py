@@ -12,7 +12,7 @@ from tiermem.benchmark import BenchSpec, run_benchmark, system_info
 from tiermem.cli.progress import ProgressBar
 from tiermem.errors import TiermemError
 from tiermem.io.engine import BACKENDS, available_backends
-from tiermem.sizes import format_size, parse_size
+from tiermem.sizes import format_size, parse_size, short_repr
 
 DEFAULT_PATH = "/var/tmp/tiermem"
 SWEEP_BLOCK_SIZES = ["128KiB", "512KiB", "1MiB", "4MiB"]
@@ -65,9 +65,9 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     try:
         depths = SWEEP_QUEUE_DEPTHS if args.sweep else [int(q) for q in (args.queue_depth or "32").split(",")]
     except ValueError:
-        raise BenchArgError(f"--queue-depth: expected integers >= 1, got {args.queue_depth!r}") from None
+        raise BenchArgError(f"--queue-depth: expected integers >= 1, got {short_repr(args.queue_depth)}") from None
     if any(q < 1 or q > 4096 for q in depths):
-        raise BenchArgError(f"--queue-depth: expected integers from 1 to 4096, got {args.queue_depth!r}")
+        raise BenchArgError(f"--queue-depth: expected integers from 1 to 4096, got {short_repr(args.queue_depth)}")
     if args.runs < 1:
         raise BenchArgError(f"--runs: expected an integer >= 1, got {args.runs}")
     usable = [n for n, reason in available_backends().items() if reason is None]
@@ -157,6 +157,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 
 
 def _size(option: str, value: str) -> int:
+    """`value` in bytes; a bad one (garbage, inf, past 2**63 - 1 bytes) is a BenchArgError naming `option`."""
     try:
         return parse_size(value, what=option)
     except ValueError as exc:

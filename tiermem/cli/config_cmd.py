@@ -6,25 +6,29 @@ import argparse
 import sys
 from typing import Any
 
-import yaml
-
-from tiermem.config import format_config, load_config
+from tiermem.config import format_config, load_config, parse_yaml
 from tiermem.errors import ConfigError
+from tiermem.sizes import short_repr
 
 # Exit status for a config that does not validate; 1 is left for unexpected failures.
 EXIT_BAD_CONFIG = 2
 
 
 def _parse_set(text: str) -> tuple[str, Any]:
-    """Turn ``KEY=VALUE`` into (key, value), reading VALUE as YAML so ``4`` is an int."""
+    """Turn ``KEY=VALUE`` into (key, value), reading VALUE as YAML so ``4`` is an int.
+
+    VALUE is read with the config loader's bounds (an alias bomb, deep nesting or an endless integer is
+    refused), and a failure is an argparse usage error that names KEY.
+    """
     key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE such as prefetch.depth=4, got {text!r}")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE such as prefetch.depth=4, got {short_repr(text)}")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError:
-        raise argparse.ArgumentTypeError(f"{key}: value {value!r} is not valid YAML") from None
-    return key.strip(), parsed
+        parsed = parse_yaml(value, key) if value.strip() else None
+    except ConfigError as exc:  # a ValueError, which argparse would report without its message
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return key, parsed
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

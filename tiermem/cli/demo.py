@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from tiermem.errors import TiermemError
+from tiermem.sizes import parse_size
+
+# The size flags, checked before anything is built, so that a bad one is one line naming it, not a traceback.
+SIZE_FLAGS = (("--host-budget", "host_budget"), ("--train-budget", "train_budget"))
+
+
+class DemoArgError(TiermemError):
+    """A command-line value is wrong."""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from tiermem.demo import add_arguments
@@ -16,4 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tiermem.demo import run as run_demo
 
+    for flag, dest in SIZE_FLAGS:
+        try:
+            parse_size(getattr(args, dest), what=flag)
+        except ValueError as exc:  # the message starts with the flag
+            raise DemoArgError(str(exc)) from None
     return run_demo(args)
