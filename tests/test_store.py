@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,11 +19,38 @@ from tiermem.errors import StoreError
 from tiermem.io.buffers import AlignedBuffer
 from tiermem.io.engine import IOEngine
 from tiermem.store import SwapStore
-from tiermem.store.store import OWNER_FILE, SWAP_FILE
+from tiermem.store.store import OWNER_FILE, RUN_PREFIX, SWAP_FILE
 
 
 def _random(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.fixture
+def ext4_dir(tmp_path) -> Iterator[str]:
+    """A real 64 MiB ext4 filesystem on a loop device: there a failed fallocate keeps the blocks it got."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop device needs root")
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("mkfs.ext4 is not installed")
+    image, target = tmp_path / "ext4.img", tmp_path / "ext4"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    target.mkdir()
+    for cmd in (["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], ["mount", "-o", "loop", str(image), str(target)]):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"{cmd[0]} failed here: {res.stderr.strip()}")
+    try:
+        yield str(target)
+    finally:
+        if subprocess.run(["umount", str(target)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 def test_extents_round_trip_and_do_not_overlap(engine: IOEngine, tmp_path) -> None:
@@ -177,3 +207,199 @@ def test_store_on_a_filesystem_without_o_direct(engine: IOEngine, ramfs_dir: str
         out = np.zeros(buf.nbytes, dtype=np.uint8)
         store.read(ext, out).wait()
         assert np.array_equal(out, buf.numpy())
+
+
+def test_run_dir_swapped_for_a_symlink_after_mkdir_is_refused(engine: IOEngine, tmp_path, monkeypatch) -> None:
+    """A run dir replaced by a symlink between mkdir and use is refused; nothing lands at the link's target."""
+    base, target = tmp_path / "base", tmp_path / "target"
+    base.mkdir(mode=0o700)
+    target.mkdir(mode=0o755)
+    real_mkdir = os.mkdir
+
+    def racing_mkdir(path, mode=0o777, *, dir_fd=None):  # type: ignore[no-untyped-def]
+        real_mkdir(path, mode, dir_fd=dir_fd)
+        if os.path.basename(os.fspath(path)).startswith(RUN_PREFIX):  # the attacker wins the race
+            os.rmdir(path, dir_fd=dir_fd)
+            os.symlink(target, path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "mkdir", racing_mkdir)
+    with pytest.raises(StoreError, match="symlink"):
+        SwapStore([str(base)], engine)
+    assert os.listdir(target) == []
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o755
+
+
+def test_run_name_planted_as_a_symlink_is_refused(engine: IOEngine, tmp_path) -> None:
+    """A run_name that is a symlink to another directory is refused; the target is neither chmodded nor written."""
+    base, target = tmp_path / "base", tmp_path / "target"
+    base.mkdir(mode=0o700)
+    target.mkdir(mode=0o755)
+    (base / "kept").symlink_to(target)
+    with pytest.raises(StoreError, match="symlink"):
+        SwapStore([str(base)], engine, run_name="kept")
+    assert os.listdir(target) == []
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o755
+
+
+@pytest.mark.parametrize("mode, group", [(0o777, None), (0o770, 65534)])
+def test_base_writable_by_others_without_sticky_bit_is_refused(engine: IOEngine, tmp_path, mode: int,
+                                                               group: int | None) -> None:
+    """A base others (or another group) may write without the sticky bit is refused, naming it and the fix;
+    with +t it is used."""
+    base = tmp_path / "open"
+    base.mkdir()
+    if group is not None:
+        if os.geteuid() != 0:
+            pytest.skip("chgrp to another group needs root")
+        os.chown(base, -1, group)
+    os.chmod(base, mode)
+    with pytest.raises(StoreError) as info:
+        SwapStore([str(base)], engine)
+    msg = str(info.value)
+    assert str(base) in msg and "chmod" in msg
+    assert os.listdir(base) == []
+    os.chmod(base, mode | stat.S_ISVTX)
+    with SwapStore([str(base)], engine) as store:
+        store.allocate(4096)
+
+
+def test_base_writable_by_the_users_private_group_is_used(engine: IOEngine, tmp_path) -> None:
+    """A base writable by the user's own private group (umask 002 on Debian) is accepted."""
+    import grp
+    import pwd
+
+    user, group = pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(os.getegid())
+    if group.gr_name != user or set(group.gr_mem) - {user}:
+        pytest.skip(f"this user's group {group.gr_name!r} is not a private group of {user!r}")
+    base = tmp_path / "mine"
+    base.mkdir()
+    os.chmod(base, 0o770)
+    with SwapStore([str(base)], engine) as store:
+        store.allocate(4096)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_base_owned_by_another_user_is_refused(engine: IOEngine, tmp_path) -> None:
+    """A base owned by another uid (65534) is refused, naming the path and the owner; nothing is created in it."""
+    base = tmp_path / "theirs"
+    base.mkdir(mode=0o755)
+    os.chown(base, 65534, 65534)
+    with pytest.raises(StoreError) as info:
+        SwapStore([str(base)], engine)
+    msg = str(info.value)
+    assert str(base) in msg and "65534" in msg
+    assert os.listdir(base) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a symlink of another user needs root (lchown)")
+def test_base_that_is_another_users_symlink_is_refused(engine: IOEngine, tmp_path) -> None:
+    """A base that is a symlink planted by another uid (as in /var/tmp) is refused even if it points at ours."""
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "tiermem-base"
+    link.symlink_to(mine)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(StoreError) as info:
+        SwapStore([str(link)], engine)
+    msg = str(info.value)
+    assert str(link) in msg and "symlink" in msg and "65534" in msg
+    assert os.listdir(mine) == []
+    os.lchown(link, 0, 0)  # the same link made by this user (or root) is the user's own choice
+    with SwapStore([str(link)], engine) as store:
+        assert os.listdir(mine) == [os.path.basename(store.run_dirs[0])]
+
+
+def test_created_directories_are_private(engine: IOEngine, tmp_path) -> None:
+    """Every directory the store creates (missing parents of the base included) is 0700, even under umask 0."""
+    old = os.umask(0)
+    try:
+        with SwapStore([str(tmp_path / "a" / "b" / "c")], engine) as store:
+            for d in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c", store.run_dirs[0]):
+                assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    finally:
+        os.umask(old)
+
+
+def _fake_dead_run(d, keep: bool = False) -> None:  # type: ignore[no-untyped-def]
+    os.makedirs(d, exist_ok=True)
+    (d / OWNER_FILE).write_text(json.dumps({"pid": 999999, "keep": keep}))
+    (d / "LOCK").write_text("")
+    (d / SWAP_FILE).write_bytes(b"\0" * 4096)
+
+
+def test_stale_cleanup_follows_no_symlink_and_spares_other_users(engine: IOEngine, tmp_path) -> None:
+    """Cleanup removes our dead runs only: not another uid's, not through a symlinked run or an entry in one."""
+    victim, victim2 = tmp_path / "victim", tmp_path / "victim2"
+    _fake_dead_run(victim)
+    victim2.mkdir()
+    (victim2 / "precious").write_text("x")
+    (tmp_path / f"{RUN_PREFIX}link-1").symlink_to(victim)
+    _fake_dead_run(tmp_path / f"{RUN_PREFIX}dead-2")
+    (tmp_path / f"{RUN_PREFIX}dead-2" / "sub").symlink_to(victim2)
+    other = tmp_path / f"{RUN_PREFIX}other-3"
+    _fake_dead_run(other)
+    if os.geteuid() == 0:
+        for p in (other, *other.iterdir()):
+            os.chown(p, 65534, 65534)
+    with SwapStore([str(tmp_path)], engine):
+        assert sorted(os.listdir(victim)) == sorted([OWNER_FILE, "LOCK", SWAP_FILE])
+        assert (victim2 / "precious").read_text() == "x"
+        assert not os.path.lexists(tmp_path / f"{RUN_PREFIX}dead-2")
+        if os.geteuid() == 0:
+            assert sorted(os.listdir(other)) == sorted([OWNER_FILE, "LOCK", SWAP_FILE])
+
+
+@pytest.mark.parametrize("fs", ["small_fs_dir", "ext4_dir"])
+def test_asking_for_more_than_is_free_keeps_the_free_space(engine: IOEngine, fs: str, request) -> None:
+    """Asking for more than is free raises StoreError naming needed and free bytes and takes no space."""
+    base = request.getfixturevalue(fs)
+    with SwapStore([base], engine) as store:
+        first = store.allocate(4 << 20)
+        data = _random(4 << 20, 9)
+        store.write(first, data).wait()
+        free = _free_bytes(base)
+        ask = free + (1 << 20)  # more than is free, less than the filesystem holds
+        needed = -(-ask // store.stripe_size) * store.stripe_size
+        with pytest.raises(StoreError) as info:
+            store.allocate(ask)
+        msg = str(info.value)
+        assert base in msg and f"{needed} bytes" in msg and f"{free} bytes" in msg
+        assert abs(_free_bytes(base) - free) <= 4 * 4096
+        assert os.path.getsize(os.path.join(store.run_dirs[0], SWAP_FILE)) == 4 << 20
+        out = np.zeros_like(data)
+        store.read(first, out).wait()
+        assert np.array_equal(out, data)
+
+
+def test_allocation_on_a_nearly_full_filesystem_takes_only_what_it_needs(engine: IOEngine, ext4_dir: str) -> None:
+    """On ext4 with less free than a growth step, allocating 4 MiB reserves 4 MiB, not the disk's free space."""
+    with SwapStore([ext4_dir], engine) as store:
+        free = _free_bytes(ext4_dir)
+        store.allocate(4 << 20)
+        assert os.path.getsize(os.path.join(store.run_dirs[0], SWAP_FILE)) == 4 << 20
+        assert free - _free_bytes(ext4_dir) <= (4 << 20) + (64 << 10)  # the blocks plus a little metadata
+
+
+def test_failed_preallocation_gives_back_what_it_got(engine: IOEngine, small_fs_dir: str, monkeypatch) -> None:
+    """A preallocation failing part way (on the second of two directories) gives every block back."""
+    dirs = [os.path.join(small_fs_dir, "a"), os.path.join(small_fs_dir, "b")]
+    with SwapStore(dirs, engine, stripe_size=64 << 10) as store:
+        store.allocate(1 << 20)
+        swaps = [os.path.join(d, SWAP_FILE) for d in store.run_dirs]
+        sizes, free = [os.path.getsize(p) for p in swaps], _free_bytes(small_fs_dir)
+        second = os.fstat(store.files[1].buffered_fd).st_ino
+        real = os.posix_fallocate
+
+        def partial(fd: int, offset: int, length: int) -> None:
+            if os.fstat(fd).st_ino == second:  # a disk filling up under us: half of it, then ENOSPC
+                real(fd, offset, length // 2)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real(fd, offset, length)
+
+        monkeypatch.setattr(os, "posix_fallocate", partial)
+        with pytest.raises(StoreError, match="no space"):
+            store.allocate(4 << 20)
+        assert abs(_free_bytes(small_fs_dir) - free) <= 4 * 4096
+        assert [os.path.getsize(p) for p in swaps] == sizes
+        monkeypatch.undo()
+        store.allocate(4 << 20)  # the store is still usable

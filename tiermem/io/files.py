@@ -27,12 +27,18 @@ class IOFile:
     """A file opened for engine I/O; a context manager. `direct` tells whether O_DIRECT is in use."""
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "r", *, direct: bool = True,
-                 create_mode: int = 0o600) -> None:
+                 create_mode: int = 0o600, dir_fd: int | None = None) -> None:
+        """With `dir_fd`, only the last component of `path` is opened, relative to that directory descriptor and
+        never through a symlink (the swap store's run directories); `path` still names the file in messages."""
         if mode not in ("r", "w", "rw"):
             raise ValueError(f"mode must be 'r', 'w' or 'rw', got {mode!r}")
         self.path = os.fspath(path)
         flags = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT, "rw": os.O_RDWR | os.O_CREAT}[mode]
         flags |= os.O_CLOEXEC
+        name = self.path
+        if dir_fd is not None:
+            name = os.path.basename(self.path)
+            flags |= os.O_NOFOLLOW
         self.mode = mode
         self.fd = -1  # the descriptor for aligned requests (O_DIRECT when `direct`)
         self.buffered_fd = -1  # the page-cache descriptor for unaligned requests
@@ -40,14 +46,14 @@ class IOFile:
         self.fallback_reason: str | None = None  # why O_DIRECT was asked for but is not in use
         if direct:
             try:
-                self.fd = os.open(self.path, flags | os.O_DIRECT, create_mode)
+                self.fd = os.open(name, flags | os.O_DIRECT, create_mode, dir_fd=dir_fd)
                 self.direct = True
             except OSError as exc:
                 if exc.errno != 22:  # EINVAL: the filesystem refuses O_DIRECT; anything else is real
                     raise
                 self.fallback_reason = f"{fs_of(self.path)} refuses O_DIRECT"
                 _warn_once(self.path, self.fallback_reason)
-        self.buffered_fd = os.open(self.path, flags, create_mode)
+        self.buffered_fd = os.open(name, flags, create_mode, dir_fd=dir_fd)
         if self.fd < 0:
             self.fd = self.buffered_fd
 

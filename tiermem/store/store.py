@@ -11,18 +11,29 @@ Each store lives in `<path>/tiermem-<host>-<pid>-<token>/` (mode 0700) on every 
 (mode 0600), `owner.json` and `LOCK`. The lock (flock) is held for the store's life, so no two processes
 share a run directory. On start, run directories of ours whose lock is free and which were not kept are
 left-overs of a killed process and are removed. On close the files are removed unless `keep_files`.
+
+The default path sits under /var/tmp, which every user may write, so whoever can write a directory on the
+way could swap the run directory for a symlink between our mkdir and our use of it and have the chmod, the
+lock and the swap file land elsewhere. Hence: each path is opened once as a directory descriptor (missing
+parts created 0700 one at a time, each opened without following a symlink) and refused unless it belongs
+to this user or root and no one else may write it (the user's private group aside; the sticky bit, as on
+/tmp, makes others' write access harmless: they cannot rename or remove our entries). Everything below it
+is created, opened, chmodded and removed relative to descriptors, with O_NOFOLLOW, so a symlink put in
+place of an entry is refused or removed, never followed. Left-overs of other users are never touched.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import grp
 import json
 import logging
 import os
+import pwd
 import secrets
-import shutil
 import socket
+import stat
 import threading
 import time
 import weakref
@@ -43,7 +54,9 @@ RUN_PREFIX = "tiermem-"
 OWNER_FILE = "owner.json"
 LOCK_FILE = "LOCK"
 SWAP_FILE = "swap.bin"
-GROW_STEP = 64 << 20  # files grow by at least this much, so fallocate is not called per extent
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NOFOLLOW_DIR = _DIR_FLAGS | os.O_NOFOLLOW  # an entry we made: a symlink there is someone else's doing
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 @dataclass(frozen=True)
@@ -59,7 +72,9 @@ class SwapStore:
     """Swap files on one or more directories, striped; a context manager.
 
     Args:
-        paths: directories to put swap files in (created if missing). Several are striped.
+        paths: directories to put swap files in (created 0700 if missing). Several are striped. Each must
+            belong to this user (or root) and be writable by no one else (the user's private group aside)
+            unless it has the sticky bit.
         engine: the I/O engine that moves the bytes.
         stripe_size: bytes per stripe chunk, a multiple of 4096.
         keep_files: leave the run directory and its files on close (a later run can reopen it by name).
@@ -93,9 +108,13 @@ class SwapStore:
         self.run_dirs: list[str] = []  # one per path, in path order
         self.files: list[IOFile] = []  # the swap file in each run directory
         self._lock_fds: list[int] = []  # flock holders, one per run directory
+        # (path's descriptor, run directory's descriptor) per path: every name is resolved from these, never
+        # from a path string again ([Note: run directories]); shared with the finalizer, so changed in place
+        self._dir_fds: list[tuple[int, int]] = []
         name = run_name or f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         if os.sep in name or name in (".", ".."):
             raise StoreError(f"run_name: {name!r} must be a plain directory name")
+        self._name = name  # the run directory's name under every path
         try:
             for base in paths:
                 self._open_run_dir(os.path.abspath(os.path.expanduser(base)), name, direct)
@@ -103,49 +122,54 @@ class SwapStore:
             self._release(remove=run_name is None)
             raise
         self.direct = all(f.direct for f in self.files)  # False if any directory refused O_DIRECT
-        self._finalizer = weakref.finalize(self, _cleanup_at_exit, list(self.run_dirs), keep_files)
+        self._finalizer = weakref.finalize(self, _cleanup_at_exit, self._dir_fds, name, keep_files)
         log.info("swap store in %s (stripe %s, %s)", ", ".join(self.run_dirs), format_size(stripe_size),
                  "O_DIRECT" if self.direct else "buffered I/O")
 
     # -- set-up and tear-down -------------------------------------------------------------------
     def _open_run_dir(self, base: str, name: str, direct: bool) -> None:
-        try:
-            os.makedirs(base, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"nvme.paths: cannot create swap directory {base}: {exc.strerror}; "
-                             "choose a writable directory") from None
-        if not os.path.isdir(base):
-            raise StoreError(f"nvme.paths: {base} is not a directory; choose a directory for swap files")
-        if not os.access(base, os.W_OK | os.X_OK):
-            raise StoreError(f"nvme.paths: {base} is not writable by this user; choose a writable directory "
-                             "or fix its permissions")
-        _remove_stale_runs(base)
+        base_fd = _open_base(base)
+        run_fd, created = -1, False
         run_dir = os.path.join(base, name)
         try:
-            os.mkdir(run_dir, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise StoreError(f"nvme.paths: cannot create run directory {run_dir}: {exc.strerror}") from None
-        os.chmod(run_dir, 0o700)
-        lock_fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock_fd)
-            owner = _read_owner(run_dir)
-            raise StoreError(
-                f"{run_dir} is in use by another process (pid {owner.get('pid', '?')}); stop it or use "
-                "another run name"
-            ) from None
+            _check_base(base, base_fd)
+            _remove_stale_runs(base, base_fd)
+            run_fd, created = _make_run_dir(base, base_fd, name)
+            lock_fd = _open_file(run_fd, LOCK_FILE, os.O_RDWR | os.O_CREAT, run_dir)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock_fd)
+                owner = _read_owner(run_fd)
+                raise StoreError(
+                    f"{run_dir} is in use by another process (pid {owner.get('pid', '?')}); stop it or use "
+                    "another run name"
+                ) from None
+        except BaseException:
+            if created:  # ours alone: nothing else can be in it yet
+                _remove_run(base_fd, run_fd, name)
+            for fd in (run_fd, base_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        # Registered only once locked: from here a failure's clean-up removes this run directory.
         self._lock_fds.append(lock_fd)
+        self._dir_fds.append((base_fd, run_fd))
         self.run_dirs.append(run_dir)
-        with open(os.path.join(run_dir, OWNER_FILE), "w", encoding="utf-8") as f:
+        try:
+            os.unlink(OWNER_FILE, dir_fd=run_fd)  # a reopened run's; made afresh with O_EXCL below
+        except FileNotFoundError:
+            pass
+        fd = _open_file(run_fd, OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, run_dir)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                        "keep": self.keep_files}, f)
-        swap = IOFile(os.path.join(run_dir, SWAP_FILE), "rw", direct=direct)
+        swap = IOFile(os.path.join(run_dir, SWAP_FILE), "rw", direct=direct, dir_fd=run_fd)
         self.files.append(swap)
-        self._file_sizes.append(swap.size())
+        st = os.fstat(swap.buffered_fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise StoreError(f"{swap.path} is not a regular file of this user; remove it or use another run name")
+        self._file_sizes.append(st.st_size)
 
     def close(self) -> None:
         """Release the lock and remove the swap files (unless keep_files). In-flight I/O must be done."""
@@ -158,11 +182,12 @@ class SwapStore:
     def _release(self, *, remove: bool) -> None:
         for f in self.files:
             f.close()
+        if remove:  # while the locks are held, so no other store takes these for left-overs meanwhile
+            for base_fd, run_fd in self._dir_fds:
+                _remove_run(base_fd, run_fd, self._name)
         for fd in self._lock_fds:
             os.close(fd)
-        if remove:
-            for d in self.run_dirs:
-                shutil.rmtree(d, ignore_errors=True)
+        _close_dir_fds(self._dir_fds)
         self.files, self._lock_fds = [], []
 
     def __enter__(self) -> SwapStore:
@@ -194,32 +219,65 @@ class SwapStore:
             self.used -= extent.size
 
     def _grow(self, logical_end: int) -> None:
-        """Preallocate every file far enough to hold logical bytes [0, logical_end)."""
+        """Preallocate every file to exactly what logical bytes [0, logical_end) need. Free space is checked
+        first, and a failure gives back all this call reserved: a full disk keeps its free space."""
         n = len(self.files)
         chunks = (logical_end + self.stripe_size - 1) // self.stripe_size
-        for d, f in enumerate(self.files):
+        grow: list[tuple[int, int, int]] = []  # (file index, its size now, the size it needs)
+        for d in range(n):
             mine = chunks // n + (1 if d < chunks % n else 0)  # stripe chunks that land in file d
-            need = mine * self.stripe_size
-            have = self._file_sizes[d]
-            if need <= have:
-                continue
-            target = max(need, min(have + GROW_STEP, need + GROW_STEP))
-            try:
-                f.allocate(have, target - have)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    raise StoreError(f"{f.path}: cannot preallocate swap space: {exc.strerror}") from None
-                try:
-                    f.allocate(have, need - have)  # the step was greedy; try the exact need
-                    target = need
-                except OSError:
-                    free = shutil.disk_usage(os.path.dirname(f.path)).free
-                    raise StoreError(
-                        f"{f.path}: no space for {format_size(need - have)} more swap "
-                        f"({format_size(free)} free on that filesystem); free some space, add a directory "
-                        "on another drive to nvme.paths, or offload less"
-                    ) from None
-            self._file_sizes[d] = target
+            need, have = mine * self.stripe_size, self._file_sizes[d]
+            if need > have:
+                grow.append((d, have, need))
+        if not grow:
+            return
+        self._check_free(grow)
+        done: list[tuple[int, int, int]] = []
+        try:
+            for d, have, need in grow:
+                done.append((d, have, need))  # before the call: a failed fallocate may keep what it got
+                self.files[d].allocate(have, need - have)
+        except OSError as exc:
+            for d, have, need in done:
+                self._give_back(d, have, need)
+            d = done[-1][0]
+            if exc.errno in _NO_SPACE:
+                raise self._no_space(d, sum(need - have for _, have, need in grow), _free_bytes(self.files[d]),
+                                     exc.strerror) from None
+            raise StoreError(f"{self.files[d].path}: cannot preallocate swap space: {exc.strerror}") from None
+        for d, _, need in grow:
+            self._file_sizes[d] = need
+
+    def _check_free(self, grow: list[tuple[int, int, int]]) -> None:
+        """Raise StoreError, before reserving anything, when a filesystem has less free than its files need."""
+        needed: dict[int, tuple[int, int]] = {}  # device -> (first file index on it, bytes its files need)
+        for d, have, need in grow:
+            dev = os.fstat(self.files[d].buffered_fd).st_dev
+            first, total = needed.get(dev, (d, 0))
+            needed[dev] = (first, total + need - have)
+        for d, total in needed.values():
+            free = _free_bytes(self.files[d])
+            if free is not None and total > free:
+                raise self._no_space(d, total, free)
+
+    def _give_back(self, d: int, have: int, need: int) -> None:
+        """Shrink file d back to `have` bytes, freeing every block a (failed) preallocation added."""
+        f = self.files[d]
+        try:
+            # Up first, so the shrink really is one: blocks a failed fallocate left past the size it set
+            # (some filesystems keep them there) are freed with the rest.
+            os.ftruncate(f.buffered_fd, max(need, os.fstat(f.buffered_fd).st_size))
+            os.ftruncate(f.buffered_fd, have)
+        except OSError as exc:
+            log.warning("%s: cannot give back swap space beyond %d bytes: %s", f.path, have, exc.strerror)
+
+    def _no_space(self, d: int, needed: int, free: int | None, reason: str | None = None) -> StoreError:
+        have = "no free space figure" if free is None else f"{free} bytes ({format_size(free)}) free"
+        why = f" ({reason})" if reason else ""
+        return StoreError(
+            f"{self.files[d].path}: no space for {needed} bytes ({format_size(needed)}) more swap, {have} on that "
+            f"filesystem{why}; free some space, add a directory on another drive to nvme.paths, or offload less"
+        )
 
     # -- data -----------------------------------------------------------------------------------
     def pieces(self, extent: Extent, nbytes: int | None = None, offset: int = 0) -> list[tuple[int, int, int, int]]:
@@ -270,44 +328,251 @@ class SwapStore:
             os.fsync(f.buffered_fd)
 
 
-def _read_owner(run_dir: str) -> dict[str, Any]:
+def _free_bytes(f: IOFile) -> int | None:
+    """Bytes free to unprivileged users on f's filesystem (swap stays out of root's reserve); None where the
+    filesystem reports no capacity at all (ramfs, some FUSE mounts), so only fallocate can tell."""
+    st = os.fstatvfs(f.buffered_fd)
+    return st.f_bavail * st.f_frsize if st.f_blocks else None
+
+
+def _open_base(base: str) -> int:
+    """A directory descriptor for `base`, creating its missing parts 0700 one at a time, none through a
+    symlink. Existing parts are the user's choice and may be symlinks (see _open_existing_dir)."""
+    missing: list[str] = []
+    path = base
+    while True:
+        try:
+            fd = _open_existing_dir(path)
+            break
+        except FileNotFoundError:
+            parent, leaf = os.path.split(path)
+            if not leaf or parent == path:
+                raise StoreError(f"nvme.paths: cannot open swap directory {base}; choose an existing one") from None
+            missing.append(leaf)
+            path = parent
+        except NotADirectoryError:
+            raise StoreError(f"nvme.paths: {base} is not a directory; choose a directory for swap files") from None
+        except OSError as exc:
+            raise StoreError(f"nvme.paths: cannot open swap directory {path}: {exc.strerror}; choose a directory "
+                             "this user can reach") from None
+    for leaf in reversed(missing):
+        path = os.path.join(path, leaf)
+        try:
+            created = False
+            try:
+                os.mkdir(leaf, 0o700, dir_fd=fd)
+                created = True
+            except FileExistsError:
+                pass  # made meanwhile by someone else: checked below like any directory on the way
+            except OSError as exc:
+                raise StoreError(f"nvme.paths: cannot create swap directory {path}: {exc.strerror}; choose a "
+                                 "writable directory") from None
+            child = _open_dir_nofollow(fd, leaf, path, "nvme.paths: ")
+        finally:
+            os.close(fd)
+        fd = child
+        if created:
+            os.fchmod(fd, 0o700)  # exactly, whatever the umask took away
+    return fd
+
+
+def _open_existing_dir(path: str) -> int:
+    """Open directory `path`. Parts above it may be symlinks (the user's choice); `path` itself is followed only
+    if the link belongs to this user or root: in a shared directory like /var/tmp anyone may have planted it."""
     try:
-        with open(os.path.join(run_dir, OWNER_FILE), encoding="utf-8") as f:
+        return os.open(path, _NOFOLLOW_DIR)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        try:
+            st = os.lstat(path)
+        except OSError:
+            raise exc from None
+        if not stat.S_ISLNK(st.st_mode):
+            raise
+        if st.st_uid not in (os.geteuid(), 0):
+            raise StoreError(
+                f"nvme.paths: {path} is a symlink of uid {st.st_uid}, not of this user or root; anyone who can "
+                f"write {os.path.dirname(path)} may have planted it. Name the directory itself "
+                f"({os.path.realpath(path)}) if it is yours, or remove the link"
+            ) from None
+    return os.open(path, _DIR_FLAGS)
+
+
+def _open_dir_nofollow(parent_fd: int, name: str, path: str, key: str = "") -> int:
+    """Open directory `name` under `parent_fd`; StoreError naming `path` if it is a symlink or not a directory."""
+    try:
+        return os.open(name, _NOFOLLOW_DIR, dir_fd=parent_fd)
+    except OSError as exc:
+        try:
+            is_link = stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = False
+        if is_link:
+            raise StoreError(f"{key}{path} is a symlink where tiermem made or expects a directory; refusing to "
+                             f"follow it. Something may be tampering with {os.path.dirname(path)}: remove the "
+                             "link, and use a directory only this user can write") from None
+        raise StoreError(f"{key}{path}: cannot open as a directory: {exc.strerror}; remove it or choose another "
+                         "directory") from None
+
+
+def _check_base(base: str, fd: int) -> None:
+    """Refuse a base that someone else could change entries of (and so swap our run directory in)."""
+    st, euid = os.fstat(fd), os.geteuid()
+    if st.st_uid not in (euid, 0):
+        raise StoreError(
+            f"nvme.paths: {base} belongs to uid {st.st_uid}, not to this user (uid {euid}) or root, so its owner "
+            f"could replace the run directory with a symlink; use a directory of your own (mkdir -m 700 DIR) or "
+            f"chown it to uid {euid}"
+        )
+    writers = st.st_mode & stat.S_IWOTH
+    if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid):
+        writers |= stat.S_IWGRP
+    if writers and not st.st_mode & stat.S_ISVTX:
+        who = "other users" if writers & stat.S_IWOTH else f"group {st.st_gid}"
+        raise StoreError(
+            f"nvme.paths: {base} (mode {stat.S_IMODE(st.st_mode):o}) is writable by {who} without the sticky "
+            f"bit, so they could replace the run directory with a symlink; run `chmod go-w {base}` (or "
+            f"`chmod +t {base}`), or choose another directory"
+        )
+
+
+def _private_group(gid: int) -> bool:
+    """Whether `gid` is this user's own group (user private groups, where umask 002 is the default: the group
+    is named after the user and has no other members), so that its write access is this user's alone."""
+    try:
+        user, group = pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return gid == os.getegid() and group.gr_name == user and set(group.gr_mem) <= {user}
+
+
+def _make_run_dir(base: str, base_fd: int, name: str) -> tuple[int, bool]:
+    """(descriptor, whether we created it) of run directory `name`, made 0700; refused if not this user's."""
+    run_dir = os.path.join(base, name)
+    created = False
+    try:
+        os.mkdir(name, 0o700, dir_fd=base_fd)
+        created = True
+    except FileExistsError:
+        pass  # a reopened run (run_name); checked like a new one
+    except OSError as exc:
+        raise StoreError(f"nvme.paths: cannot create run directory {run_dir}: {exc.strerror}; choose a "
+                         "directory this user can write") from None
+    fd = _open_dir_nofollow(base_fd, name, run_dir)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise StoreError(f"{run_dir} belongs to uid {st.st_uid}, not to this user; use another run name")
+    os.fchmod(fd, 0o700)
+    return fd, created
+
+
+def _open_file(dir_fd: int, name: str, flags: int, run_dir: str) -> int:
+    """Open regular file `name` in a run directory, never through a symlink (nor blocking on a FIFO)."""
+    path = os.path.join(run_dir, name)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot open: {exc.strerror}; remove it or use another run name") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StoreError(f"{path} is not a regular file; remove it or use another run name")
+    return fd
+
+
+def _read_owner(run_fd: int) -> dict[str, Any]:
+    try:
+        fd = _open_file(run_fd, OWNER_FILE, os.O_RDONLY, "")
+    except StoreError:
+        return {}
+    try:
+        with os.fdopen(fd, encoding="utf-8") as f:
             data = json.load(f)
             return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
 
 
-def _remove_stale_runs(base: str) -> None:
-    """Remove run directories of ours whose owner is gone and which were not kept."""
+def _clear_dir(fd: int) -> None:
+    """Remove everything in directory `fd`, best effort; a symlink is removed, never followed."""
     try:
-        entries = os.listdir(base)
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     except OSError:
         return
-    for entry in entries:
-        run_dir = os.path.join(base, entry)
-        if not entry.startswith(RUN_PREFIX) or not os.path.isfile(os.path.join(run_dir, OWNER_FILE)):
-            continue
-        owner = _read_owner(run_dir)
-        if owner.get("keep", True):
-            continue
+    for name, is_dir in entries:
         try:
-            fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CLOEXEC)
+            if is_dir:
+                sub = os.open(name, _NOFOLLOW_DIR, dir_fd=fd)
+                try:
+                    _clear_dir(sub)
+                finally:
+                    os.close(sub)
+                os.rmdir(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+        except OSError:
+            pass
+
+
+def _remove_run(base_fd: int, run_fd: int, name: str) -> None:
+    _clear_dir(run_fd)
+    try:
+        os.rmdir(name, dir_fd=base_fd)
+    except OSError:
+        pass
+
+
+def _remove_stale_runs(base: str, base_fd: int) -> None:
+    """Remove run directories of ours whose owner is gone and which were not kept."""
+    try:
+        with os.scandir(base_fd) as it:
+            names = [e.name for e in it if e.name.startswith(RUN_PREFIX) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    euid = os.geteuid()
+    for name in names:
+        try:
+            run_fd = os.open(name, _NOFOLLOW_DIR, dir_fd=base_fd)
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(run_dir, ignore_errors=True)  # removed while we hold its lock
-        except BlockingIOError:
-            continue  # alive: its owner holds the lock
+            if os.fstat(run_fd).st_uid != euid:
+                continue  # another user's: not ours to judge
+            owner = _read_owner(run_fd)
+            if owner.get("keep", True):
+                continue  # kept, or not a run directory of tiermem's
+            try:
+                lock_fd = _open_file(run_fd, LOCK_FILE, os.O_RDWR, "")
+            except StoreError:
+                continue
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # alive: its owner holds the lock
+            else:
+                _remove_run(base_fd, run_fd, name)  # removed while we hold its lock
+            finally:
+                os.close(lock_fd)
         finally:
-            os.close(fd)
-        log.info("removed stale swap run directory %s left by pid %s", run_dir, owner.get("pid", "?"))
+            os.close(run_fd)
+        log.info("removed stale swap run directory %s left by pid %s", os.path.join(base, name),
+                 owner.get("pid", "?"))
 
 
-def _cleanup_at_exit(run_dirs: list[str], keep: bool) -> None:
+def _close_dir_fds(dir_fds: list[tuple[int, int]]) -> None:
+    for pair in dir_fds:
+        for fd in pair:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    dir_fds.clear()
+
+
+def _cleanup_at_exit(dir_fds: list[tuple[int, int]], name: str, keep: bool) -> None:
     if not keep:
-        for d in run_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-
+        for base_fd, run_fd in dir_fds:
+            _remove_run(base_fd, run_fd, name)
+    _close_dir_fds(dir_fds)
