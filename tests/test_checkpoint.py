@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,6 +15,7 @@ import torch
 from tests import models
 from tests.test_training import batches, cfg, loss_fn, mlp, run_steps
 from tiermem import tiered_offload
+from tiermem.runtime.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
 
@@ -130,3 +133,183 @@ def test_loading_a_foreign_checkpoint_is_a_clear_error(tmp_path) -> None:
             tm.load_checkpoint(tmp_path / "skippy")
         with pytest.raises(Exception, match="no model.safetensors.index.json"):
             tm.load_checkpoint(tmp_path)
+
+
+# -- replacing a checkpoint: atomic, and nothing left behind by a killed save -------------------------
+CRASH = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {root!r})
+    import tiermem.checkpointing as ck
+    from tests.test_training import batches, cfg, mlp, run_steps
+    from tiermem import tiered_offload
+    import pathlib
+    mode, folder = sys.argv[1], pathlib.Path(sys.argv[2])
+    final = str(folder / "ckpt")
+    data = batches(4)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **cfg(folder / "writer")) as tm:
+        run_steps(model, tm.optimizer, data[:2])
+        tm.save_checkpoint(final)
+        run_steps(model, tm.optimizer, data[2:])
+        with tm.gathered():
+            torch.save({{n: p.detach().clone() for n, p in model.named_parameters()}}, folder / "new.pt")
+        if mode == "fallback":  # a filesystem without RENAME_EXCHANGE; killed between the two renames
+            def no_exchange(a, b):
+                raise OSError(22, "Invalid argument (simulated)")
+            ck._exchange = no_exchange
+            real_rename = os.rename
+            def rename(a, b):
+                real_rename(a, b)
+                if os.fspath(a) == final:
+                    os._exit(3)
+            os.rename = rename
+        else:  # killed right after the exchange, before the old directory is removed
+            real_exchange = ck._exchange
+            def exchange(a, b):
+                try:
+                    real_exchange(a, b)
+                except OSError:
+                    os._exit(4)  # this filesystem has no RENAME_EXCHANGE
+                os._exit(3)
+            ck._exchange = exchange
+        tm.save_checkpoint(final)
+""")
+
+
+@pytest.mark.parametrize("mode", ["fallback", "exchange"])
+def test_a_save_killed_while_replacing_leaves_a_complete_checkpoint(tmp_path, mode, compute_device) -> None:
+    """A save killed between its renames (or after the exchange) leaves a loadable checkpoint; leftovers go."""
+    if compute_device is not None:
+        pytest.skip("the killed writer runs on the CPU; the copying device changes nothing here")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", CRASH.format(root=root), mode, str(tmp_path)], capture_output=True,
+                         text=True)
+    if res.returncode == 4:
+        pytest.skip("the filesystem of tmp_path has no RENAME_EXCHANGE")
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert [p for p in os.listdir(tmp_path) if p.startswith("ckpt.")]  # the dead writer's leftovers
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+        tm.load_checkpoint(tmp_path / "ckpt")
+    expected = torch.load(tmp_path / "new.pt")
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), expected[name]), name
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("ckpt.")]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftovers_of_dead_writers_are_removed_and_live_ones_kept(tmp_path) -> None:
+    """`<name>.tmp-PID` / `<name>.old-PID` of dead processes go at the next save and load; others stay."""
+    dead, live = _dead_pid(), os.getppid()
+    kept = [f"ckpt.tmp-{live}", f"ckpt.old-{live}", f"ckpt2.tmp-{dead}", "ckpt.tmp-x"]
+
+    def litter() -> None:
+        for name in [f"ckpt.tmp-{dead}", f"ckpt.old-{dead}", *kept]:
+            os.makedirs(tmp_path / name, exist_ok=True)
+            (tmp_path / name / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+
+    litter()
+    with tiered_offload(mlp(), **cfg(tmp_path)) as tm:
+        tm.save_checkpoint(tmp_path / "ckpt")
+        assert sorted(p for p in os.listdir(tmp_path) if p.startswith("ckpt")) == sorted(["ckpt", *kept])
+        litter()
+        tm.load_checkpoint(tmp_path / "ckpt")
+        assert sorted(p for p in os.listdir(tmp_path) if p.startswith("ckpt")) == sorted(["ckpt", *kept])
+
+
+def test_without_rename_exchange_a_save_still_replaces_the_checkpoint(tmp_path, monkeypatch) -> None:
+    """Where RENAME_EXCHANGE is refused (EINVAL), saving over a checkpoint renames twice and loads the same."""
+    import tiermem.checkpointing as ck
+
+    def no_exchange(a: str, b: str) -> None:
+        raise OSError(22, "Invalid argument (simulated)")
+
+    monkeypatch.setattr(ck, "_exchange", no_exchange, raising=False)
+    data = batches(4)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+        run_steps(model, tm.optimizer, data[:2])
+        tm.save_checkpoint(tmp_path / "ckpt")
+        run_steps(model, tm.optimizer, data[2:3])
+        tm.save_checkpoint(tmp_path / "ckpt")
+        ref = run_steps(model, tm.optimizer, data[3:])
+        tm.load_checkpoint(tmp_path / "ckpt")
+        assert run_steps(model, tm.optimizer, data[3:]) == ref
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("ckpt.")]
+
+
+# -- loading: checked first, then all or nothing --------------------------------------------------------
+def _files(folder) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+def _last_tensor(path) -> str:
+    """The name of the tensor whose bytes end the safetensors file at `path`."""
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    header.pop("__metadata__", None)
+    return max(header, key=lambda k: header[k]["data_offsets"][1])
+
+
+def _flip_last_byte(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+DAMAGE = {
+    "truncated optimizer shard": ("optimizer-00001-of-00001.safetensors",
+                                 lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])),
+    "corrupt trainer_state.json": ("trainer_state.json", lambda p: p.write_text('{"format": 1, "optimi')),
+    "missing optimizer index": ("optimizer.safetensors.index.json", lambda p: p.unlink()),
+    "flipped byte in a weight shard": ("model-00001-of-00001.safetensors", _flip_last_byte),
+    "flipped byte in an optimizer shard": ("optimizer-00001-of-00001.safetensors", _flip_last_byte),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_refused_and_changes_nothing(tmp_path, damage) -> None:
+    """A damaged file raises CheckpointError naming it, and weights, optimizer state and groups stay as they were."""
+    file, damage_fn = DAMAGE[damage]
+    data = batches(6)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+        run_steps(model, tm.optimizer, data[:3])
+        tm.save_checkpoint(tmp_path / "ckpt")
+        run_steps(model, tm.optimizer, data[3:])  # weights, moments and steps move on from the checkpoint
+        tm.optimizer.param_groups[0]["lr"] = 5e-4
+        tm.save_checkpoint(tmp_path / "before")
+        target = tmp_path / "ckpt" / file
+        flipped = _last_tensor(target) if "flipped" in damage else ""
+        damage_fn(target)
+        with pytest.raises(CheckpointError, match=re.escape(file)) as info:
+            tm.load_checkpoint(tmp_path / "ckpt")
+        assert flipped in str(info.value)
+        tm.save_checkpoint(tmp_path / "after")
+        assert tm.optimizer.param_groups[0]["lr"] == 5e-4
+    assert _files(tmp_path / "after") == _files(tmp_path / "before")
+
+
+def test_the_float16_loss_scale_is_saved_and_loaded(tmp_path) -> None:
+    """With float16 parameters, the dynamic loss scale and its counters come back from a checkpoint, so a
+    resume does not start again from 2**16 and skip steps it had already learned to avoid."""
+    model = mlp()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        **cfg(tmp_path, **{"params.dtype": "float16"})) as tm:
+        x, y = batches(1)[0]
+        tm.backward(loss_fn(model, x.half(), y.half()))
+        tm.optimizer.step()
+        tm.optimizer.scale, tm.optimizer._good_steps, tm.optimizer.skipped_steps = 1024.0, 7, 3
+        tm.save_checkpoint(tmp_path / "ckpt")
+        tm.optimizer.scale, tm.optimizer._good_steps, tm.optimizer.skipped_steps = 2.0**16, 0, 0
+        tm.load_checkpoint(tmp_path / "ckpt")
+        assert (tm.optimizer.scale, tm.optimizer._good_steps, tm.optimizer.skipped_steps) == (1024.0, 7, 3)

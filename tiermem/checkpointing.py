@@ -6,97 +6,148 @@ Layout of a checkpoint directory:
     model-00001-of-0000N.safetensors ...         parameters (tied ones once) and persistent buffers
     optimizer.safetensors.index.json             the same for optimizer state, named "<param>::<kind>"
     optimizer-00001-of-0000N.safetensors ...
-    trainer_state.json                           optimizer type, param groups (by parameter name), steps
+    trainer_state.json                           optimizer type, param groups (by parameter name), state
+                                                 kinds, steps
+    manifest.json                                written last: the format, and every other file with its
+                                                 size and CRC-32 (for a shard: of its header and of each
+                                                 tensor's bytes, taken as they were written)
 
+The optimizer files and trainer_state.json are there when the checkpoint was saved with an optimizer.
 Weights are written one unit at a time, so memory stays within the host budget; transformers'
-`from_pretrained(dir)` and `safetensors.torch.load_file` read the model shards directly. The whole
-directory is written under a temporary name and renamed into place, so a crash mid-save leaves the
-previous checkpoint as it was.
+`from_pretrained(dir)` and `safetensors.torch.load_file` read the model shards directly (they do not
+look at manifest.json). The JSON files (indexes, trainer state, manifest) are written and read with
+aiofiles, concurrently. A directory without manifest.json is not a complete checkpoint: its save did not
+finish, or a tiermem older than the manifest wrote it; `load_checkpoint` refuses it.
+
+# [Note: replacing a checkpoint]
+`path` names a complete checkpoint at every moment, or nothing before the first save:
+- The new checkpoint is written to `<path>.tmp-<PID>`; every file is fsynced, manifest.json last, then
+  the directory itself.
+- The first save to `path` renames it into place. A later one exchanges the two directories in one
+  step, renameat2(RENAME_EXCHANGE) through ctypes, so the old checkpoint is now `<path>.tmp-<PID>`; the
+  parent directory is fsynced, then the old one removed.
+- A filesystem without RENAME_EXCHANGE (the kernel answers EINVAL or ENOSYS: NFS, some FUSE
+  filesystems, older ZFS) gets two renames, the old checkpoint to `<path>.old-<PID>` and the new one
+  in; between them `path` does not exist. This is not atomic, and is logged once per directory. A save
+  killed there is repaired by the next save or load of `path`: it renames the dead writer's new
+  checkpoint into place (complete, since its manifest.json exists), else its old one.
+- Save and load first remove `<path>.tmp-<PID>` and `<path>.old-<PID>` of processes that are gone
+  (`os.kill(pid, 0)` says no such process): what killed saves left. Those of a live process are never
+  touched. A PID of another PID namespace sharing the filesystem looks dead: do not save to one path from
+  two containers at once.
+
+# [Note: checked loading]
+`load_checkpoint` changes nothing until the whole checkpoint has been checked, so a damaged one leaves the
+model and the optimizer as they were and raises CheckpointError naming the file (and the tensor):
+1. manifest.json and the small JSON files are read; every file it lists must be there with its size, and
+   the JSON files must match their CRC-32 and parse. trainer_state.json must agree with the optimizer
+   (type, param groups by parameter name, state kinds, steps of parameters it trains).
+2. Every tensor the model and the optimizer need must be in its shard, with its shape and a compatible
+   dtype, its byte range inside the file, and its shard's header unchanged.
+3. Every shard to load is read once, front to back in 4 MiB pieces, and the CRC-32 of each tensor in it
+   compared with the manifest's (up to 4 shards at a time).
+Only then is anything loaded, unit by unit. So the checkpoint is read twice; the second read
+usually comes from the page cache. An I/O error in that second pass (a disk failing between the two) can
+still leave a partial load, reported as it happens.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import errno
 import json
+import logging
+import math
 import os
+import platform
+import re
 import shutil
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+import sys
+import zlib
+from collections.abc import Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import aiofiles
 import torch
 
 from tiermem.device import check_host
+from tiermem.io.aio import read_bytes
 from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint, SafetensorsWriter
 
 if TYPE_CHECKING:
     from tiermem.offload import OffloadHandle
 
-FORMAT = 1
+log = logging.getLogger(__name__)
+
+FORMAT = 2  # 1: before manifest.json and state_kinds
 DEFAULT_SHARD = 1 << 30
+MANIFEST = "manifest.json"
+MODEL_INDEX = "model.safetensors.index.json"
+OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
+TRAINER_STATE = "trainer_state.json"
+_LEFTOVER = re.compile(r"\.(tmp|old)-(\d+)")  # after "<name>": what a save in progress (or killed) leaves
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_RENAMEAT2_SYSCALL = {"x86_64": 316, "aarch64": 276}  # for a libc without the renameat2 wrapper (< glibc 2.28)
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}  # the filesystem or kernel cannot exchange
+_warned_no_exchange: set[str] = set()  # parent directories already logged as lacking RENAME_EXCHANGE
+
+Spec = tuple[str, torch.dtype, tuple[int, ...], Any]  # (name, dtype, shape, where its bytes come from)
+T = TypeVar("T")
 
 
 def save_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str], max_shard_bytes: int = DEFAULT_SHARD) -> str:
-    """Write model weights, buffers and optimizer state to `path` (atomically); return the path."""
-    final = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
+    """Write model weights, buffers and optimizer state to the directory `path`; return its absolute path.
+
+    `path` holds a complete checkpoint at every moment: the old one until the new one has replaced it in
+    one step (see [Note: replacing a checkpoint]). Shards are at most `max_shard_bytes` (unless one tensor
+    is larger). Example: ``tm.save_checkpoint("ckpt/step-1000")``.
+    """
+    final = os.path.realpath(os.fspath(path))
+    if os.path.lexists(final) and not os.path.isdir(final):
+        raise CheckpointError(f"{final} exists and is not a directory; pass a directory for the checkpoint")
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    _settle(final)
     tmp = f"{final}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, left by a save whose cleanup failed
     os.makedirs(tmp)
     try:
-        model = tm.model
-        config = getattr(model, "config", None)
-        if config is not None and callable(getattr(config, "save_pretrained", None)):
-            config.save_pretrained(tmp)
-        _write_sharded(tmp, "model", list(_model_tensors(tm)), max_shard_bytes, tm)
-        if tm.optimizer is not None:
-            _write_sharded(tmp, "optimizer", list(_optimizer_tensors(tm)), max_shard_bytes, tm)
-            with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
-                json.dump(_trainer_state(tm), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-        _replace_dir(tmp, final)
+        _write(tm, tmp, max_shard_bytes)
+        _install(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # the unfinished new one, or the old one after an exchange
         raise
     return final
 
 
 def load_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str]) -> None:
-    """Load weights, buffers and optimizer state saved by `save_checkpoint` (streaming, unit by unit)."""
-    folder = os.fspath(path)
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if not os.path.exists(index):
-        raise CheckpointError(f"{folder}: no model.safetensors.index.json; is this a tiermem checkpoint directory?")
-    weights = SafetensorsCheckpoint(index)
-    engine = tm.swapper.engine
+    """Load weights, buffers and optimizer state saved by `save_checkpoint`, all or nothing.
+
+    The whole checkpoint is checked first (files, shapes, checksums, trainer state; see [Note: checked
+    loading]); a damaged or foreign one raises CheckpointError and changes nothing. Then it is read unit by
+    unit into the partitions, so memory stays within the host budget.
+    """
+    folder = os.path.realpath(os.fspath(path))
+    live = _settle(folder)
+    if not os.path.isdir(folder):
+        if live:
+            raise CheckpointError(f"{folder} does not exist right now: process {live[0]} is replacing it on a "
+                                  "filesystem without RENAME_EXCHANGE; load again when that save has finished")
+        raise CheckpointError(f"{folder} does not exist; pass the directory tm.save_checkpoint wrote")
+    checked = _check(tm, folder)
     try:
-        names = {fqn for u in tm.units for fqn, _ in u.params}
-        missing = sorted(n for n in names if n not in weights.entries)
-        if missing:
-            raise CheckpointError(f"{folder}: parameters {missing[:5]} are not in the checkpoint; it was saved from "
-                                  "another model")
-        for unit in tm.units:
-            views = tm.swapper.acquire(unit.partition, "host")
-            try:
-                for fqn, _ in unit.params:
-                    weights.read_into(engine, fqn, views[fqn])
-            finally:
-                tm.swapper.release(unit.partition, dirty=True, tier="host")
-        for name, buf in _persistent_buffers(tm.model):
-            if name in weights.entries:  # buffers live on the device: read on the host, then copy
-                staged = torch.empty(buf.shape, dtype=buf.dtype)
-                weights.read_into(engine, name, staged)
-                with torch.no_grad():
-                    buf.copy_(staged)
+        _load(tm, checked)
     finally:
-        weights.close()
-    if tm.optimizer is not None:
-        _load_optimizer(tm, folder)
+        checked.close()
 
 
 # -- model ------------------------------------------------------------------------------------------
-def _model_tensors(tm: OffloadHandle) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], Any]]:
-    """(name, dtype, shape, reader) for every tensor to save, in unit order; reader(name) gives the data."""
+def _model_tensors(tm: OffloadHandle) -> Iterator[Spec]:
+    """(name, dtype, shape, source) for every tensor to save, in unit order."""
     for unit in tm.units:
         dtypes = {s.name: s.dtype for s in unit.partition.layout.slots}  # stored dtype (params.dtype)
         for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
@@ -113,7 +164,7 @@ def _persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
 
 
 # -- optimizer ----------------------------------------------------------------------------------------
-def _optimizer_tensors(tm: OffloadHandle) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], Any]]:
+def _optimizer_tensors(tm: OffloadHandle) -> Iterator[Spec]:
     opt = tm.optimizer
     assert opt is not None
     kinds = opt._state_kinds()
@@ -129,7 +180,7 @@ def _optimizer_tensors(tm: OffloadHandle) -> Iterator[tuple[str, torch.dtype, tu
 def _trainer_state(tm: OffloadHandle) -> dict[str, Any]:
     opt = tm.optimizer
     assert opt is not None
-    name_of = {id(p): fqn for u in tm.units for fqn, p in u.params}
+    name_of = _param_names(tm)
     groups = []
     for group in opt.param_groups:
         saved = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
@@ -137,50 +188,41 @@ def _trainer_state(tm: OffloadHandle) -> dict[str, Any]:
         saved["params"] = [name_of[id(p)] for p in group["params"]]
         groups.append(saved)
     steps = {fqn: n for st in opt.units for fqn, n in st.steps.items()}
-    return {"format": FORMAT, "optimizer": opt.kind.__name__, "param_groups": groups, "steps": steps}
+    return {"format": FORMAT, "optimizer": opt.kind.__name__, "param_groups": groups,
+            "state_kinds": opt._state_kinds(), "steps": steps, "loss_scale": opt.loss_scale_state()}
 
 
-def _load_optimizer(tm: OffloadHandle, folder: str) -> None:
-    opt = tm.optimizer
-    assert opt is not None
-    state_path = os.path.join(folder, "trainer_state.json")
-    if not os.path.exists(state_path):
-        raise CheckpointError(f"{folder}: no trainer_state.json; the checkpoint holds no optimizer state")
-    with open(state_path, encoding="utf-8") as f:
-        saved = json.load(f)
-    if saved.get("optimizer") != opt.kind.__name__:
-        raise CheckpointError(f"{folder}: saved with {saved.get('optimizer')}, loading into {opt.kind.__name__}; "
-                              "use the same optimizer type")
-    if len(saved["param_groups"]) != len(opt.param_groups):
-        raise CheckpointError(f"{folder}: {len(saved['param_groups'])} param groups saved, the optimizer has "
-                              f"{len(opt.param_groups)}")
-    for group, stored in zip(opt.param_groups, saved["param_groups"], strict=True):
-        for k, v in stored.items():
-            if k != "params":
-                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    index = os.path.join(folder, "optimizer.safetensors.index.json")
-    states = SafetensorsCheckpoint(index) if os.path.exists(index) else None
-    try:
-        for st in opt.units:
-            st.steps = {f: int(saved["steps"][f]) for f, _, _ in st.trainable if f in saved["steps"]}
-            if st.state is None or states is None:
-                continue
-            views = tm.swapper.acquire(st.state, "host")
-            try:
-                for kind in opt._state_kinds():
-                    for fqn, _, _ in st.trainable:
-                        states.read_into(tm.swapper.engine, f"{fqn}::{kind}", views[f"{kind}.{fqn}"])
-            finally:
-                tm.swapper.release(st.state, dirty=True)
-    finally:
-        if states is not None:
-            states.close()
+def _param_names(tm: OffloadHandle) -> dict[int, str]:
+    return {id(p): fqn for u in tm.units for fqn, p in u.params}
 
 
 # -- writing ----------------------------------------------------------------------------------------
-def _write_sharded(folder: str, prefix: str, tensors: list[tuple[str, torch.dtype, tuple[int, ...], Any]],
-                   max_shard_bytes: int, tm: OffloadHandle) -> None:
-    shards: list[list[tuple[str, torch.dtype, tuple[int, ...], Any]]] = [[]]
+def _write(tm: OffloadHandle, folder: str, max_shard_bytes: int) -> None:
+    """Write the whole checkpoint into the empty directory `folder`, every file fsynced, manifest.json last."""
+    files: dict[str, dict[str, Any]] = {}  # manifest entries by file name
+    small: dict[str, bytes] = {}  # the JSON files, written together with aiofiles
+    config = getattr(tm.model, "config", None)
+    if config is not None and callable(getattr(config, "save_pretrained", None)):
+        config.save_pretrained(folder)
+    small[MODEL_INDEX] = _write_sharded(folder, "model", list(_model_tensors(tm)), max_shard_bytes, tm, files)
+    if tm.optimizer is not None:
+        small[OPTIMIZER_INDEX] = _write_sharded(folder, "optimizer", list(_optimizer_tensors(tm)), max_shard_bytes,
+                                                tm, files)
+        small[TRAINER_STATE] = _dumps(_trainer_state(tm))
+    _run(_write_files(folder, small))
+    files.update({name: _whole_file(data) for name, data in small.items()})
+    for name in sorted(os.listdir(folder)):  # config.json, and whatever else save_pretrained wrote
+        if name not in files:
+            files[name] = _fsync_and_sum(os.path.join(folder, name))
+    _run(_write_files(folder, {MANIFEST: _dumps({"format": FORMAT, "files": files})}))
+    _fsync_dir(folder)
+
+
+def _write_sharded(folder: str, prefix: str, tensors: list[Spec], max_shard_bytes: int, tm: OffloadHandle,
+                   files: dict[str, dict[str, Any]]) -> bytes:
+    """Write `tensors` into `<prefix>-k-of-n.safetensors` shards (their manifest entries go into `files`);
+    return the index's JSON."""
+    shards: list[list[Spec]] = [[]]
     size = 0
     total = 0
     for item in tensors:
@@ -214,11 +256,9 @@ def _write_sharded(folder: str, prefix: str, tensors: list[tuple[str, torch.dtyp
                 writer.write(tname, tensor)
         finally:
             _release(tm, held)
-        writer.close()
-    with open(os.path.join(folder, f"{prefix}.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+        writer.close()  # fsyncs the file
+        files[name] = {"bytes": writer.size, "header_crc32": writer.header_crc32, "tensors": writer.crc32}
+    return _dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def _partition_for(tm: OffloadHandle, key: tuple[str, int]) -> Any:
@@ -238,17 +278,465 @@ def _release(tm: OffloadHandle, key: tuple[str, int] | None) -> None:
         tm.swapper.release(_partition_for(tm, key), tier="host")
 
 
-def _replace_dir(tmp: str, final: str) -> None:
-    """Put `tmp` in place of `final`; the old one is removed only once the new one is in place."""
-    fd = os.open(os.path.dirname(final), os.O_RDONLY)
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, indent=1).encode()
+
+
+def _whole_file(data: bytes) -> dict[str, Any]:
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def _fsync_and_sum(path: str) -> dict[str, Any]:
+    """The manifest entry of a file written by someone else (transformers' config.json), fsynced."""
+    with open(path, "rb") as f:
+        data = f.read()
+        os.fsync(f.fileno())
+    return _whole_file(data)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        if os.path.exists(final):
-            old = f"{final}.old-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+async def _write_files(folder: str, contents: dict[str, bytes]) -> None:
+    async def one(name: str, data: bytes) -> None:
+        async with aiofiles.open(os.path.join(folder, name), "wb") as f:
+            await f.write(data)
+            await f.flush()
+            await asyncio.to_thread(os.fsync, f.fileno())
+
+    await asyncio.gather(*(one(name, data) for name, data in contents.items()))
+
+
+async def _read_files(folder: str, names: list[str]) -> dict[str, bytes]:
+    datas = await asyncio.gather(*(read_bytes(os.path.join(folder, name)) for name in names))
+    return dict(zip(names, datas, strict=True))
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run, also when the caller is itself inside a running event loop (then on a helper thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+# -- replacing (see [Note: replacing a checkpoint]) -------------------------------------------------
+def _install(tmp: str, final: str) -> None:
+    """Put the complete checkpoint `tmp` at `final`; a previous one there is removed once it is replaced."""
+    parent = os.path.dirname(final)
+    if not os.path.lexists(final):
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            # another save put a checkpoint there meanwhile: replace it like any other
+        else:
+            _fsync_dir(parent)
+            return
+    try:
+        _exchange(tmp, final)
+    except OSError as exc:
+        if exc.errno not in _NO_EXCHANGE:
+            raise
+        if parent not in _warned_no_exchange:
+            _warned_no_exchange.add(parent)
+            log.warning("%s: the filesystem cannot exchange two directories (RENAME_EXCHANGE: %s); checkpoints "
+                        "here are replaced by two renames, and a save killed between them is repaired by the "
+                        "next save or load", parent, exc.strerror)
+        _replace_by_renames(tmp, final)
+        return
+    _fsync_dir(parent)
+    shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint, now under the temporary name
+
+
+def _replace_by_renames(tmp: str, final: str) -> None:
+    """The fallback without RENAME_EXCHANGE: `final` is missing between the two renames."""
+    old = f"{final}.old-{os.getpid()}"
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(old, final)  # the previous checkpoint goes back
+        raise
+    _fsync_dir(os.path.dirname(final))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: str, b: str) -> None:
+    """Swap the directory entries `a` and `b` in one step: renameat2(RENAME_EXCHANGE). Raises OSError with
+    EINVAL or ENOSYS where the filesystem or the kernel cannot."""
+    if not sys.platform.startswith("linux"):
+        raise OSError(errno.ENOSYS, "renameat2 is Linux-only", a)
+    libc = _libc()
+    fa, fb = os.fsencode(a), os.fsencode(b)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is not None:
+        renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+        renameat2.restype = ctypes.c_int
+        rc = renameat2(_AT_FDCWD, fa, _AT_FDCWD, fb, _RENAME_EXCHANGE)
+    else:
+        number = _RENAMEAT2_SYSCALL.get(platform.machine())
+        if number is None:
+            raise OSError(errno.ENOSYS, f"no renameat2 in libc and no syscall number for {platform.machine()}", a)
+        libc.syscall.restype = ctypes.c_long
+        rc = libc.syscall(ctypes.c_long(number), ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(fa),
+                          ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(fb), ctypes.c_uint(_RENAME_EXCHANGE))
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), a, None, b)
+
+
+@lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _settle(final: str) -> list[int]:
+    """Remove what dead writers of `final` left; if one died between the fallback's two renames, put a
+    checkpoint back at `final` first. Returns the PIDs of live writers, whose leftovers stay."""
+    parent, name = os.path.split(final)
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return []
+    dead: list[tuple[str, str]] = []  # (tmp | old, path)
+    live: list[int] = []
+    for entry in entries:
+        match = _LEFTOVER.fullmatch(entry[len(name):]) if entry.startswith(name) else None
+        if match is None:
+            continue
+        pid = int(match.group(2))
+        if _alive(pid):
+            live.append(pid)
+        else:
+            dead.append((match.group(1), os.path.join(parent, entry)))
+    if dead and not live and not os.path.lexists(final):
+        _restore(final, dead)
+    for _, path in dead:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    return live
+
+
+def _restore(final: str, dead: list[tuple[str, str]]) -> None:
+    """A writer died between the two renames: its new checkpoint (complete when its manifest is there), else
+    its old one, goes back to `final`."""
+    def newest(paths: list[str]) -> list[str]:
+        return sorted(paths, key=lambda p: os.stat(p).st_mtime, reverse=True)
+
+    complete = newest([p for kind, p in dead if kind == "tmp" and os.path.isfile(os.path.join(p, MANIFEST))])
+    previous = newest([p for kind, p in dead if kind == "old" and os.path.isfile(os.path.join(p, MODEL_INDEX))])
+    for candidate in complete + previous:
+        try:
+            os.rename(candidate, final)
+        except OSError:
+            continue  # gone, or another process restored one first
+        _fsync_dir(os.path.dirname(final))
+        log.warning("%s was missing: a save was killed while replacing it; %s was put back in its place",
+                    final, candidate)
+        return
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` may still be writing; unsure counts as alive."""
+    if pid <= 0 or pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
+
+
+# -- checking (see [Note: checked loading]) ---------------------------------------------------------
+@dataclass
+class _Checked:
+    """A checkpoint that passed every check: its open readers and parsed trainer state."""
+
+    weights: SafetensorsCheckpoint
+    states: SafetensorsCheckpoint | None = None  # the optimizer shards, when the optimizer state is loaded
+    trainer: dict[str, Any] = field(default_factory=dict)  # trainer_state.json, when it is loaded
+
+    def close(self) -> None:
+        self.weights.close()
+        if self.states is not None:
+            self.states.close()
+
+
+def _check(tm: OffloadHandle, folder: str) -> _Checked:
+    """Check everything `_load` will read; raise CheckpointError naming the file (and tensor) otherwise."""
+    if not os.path.exists(os.path.join(folder, MODEL_INDEX)):
+        raise CheckpointError(f"{folder}: no {MODEL_INDEX}; is this a tiermem checkpoint directory?")
+    if not os.path.exists(os.path.join(folder, MANIFEST)):
+        raise CheckpointError(f"{folder}: no {MANIFEST}, so nothing says the checkpoint is complete and intact: its "
+                              "save did not finish, or a tiermem older than checksums wrote it. Save it again, or "
+                              "stream only its weights with tiered_offload(model, "
+                              f"checkpoint={os.path.join(folder, MODEL_INDEX)!r})")
+    files = _check_manifest(folder)
+    small = [n for n, e in files.items() if "crc32" in e]
+    contents = _run(_read_files(folder, small))
+    for name in small:
+        got = zlib.crc32(contents[name])
+        if got != files[name]["crc32"]:
+            raise CheckpointError(f"{os.path.join(folder, name)}: its CRC-32 is {got:08x}, {MANIFEST} says "
+                                  f"{files[name]['crc32']:08x}: the file was changed or damaged after the save. "
+                                  "Nothing was loaded; use an intact copy of the checkpoint")
+    weights = SafetensorsCheckpoint(os.path.join(folder, MODEL_INDEX))
+    checked = _Checked(weights)
+    try:
+        _check_shards(weights, files)
+        _check_model(tm, weights)
+        if tm.optimizer is not None:
+            _check_optimizer(tm, folder, files, contents, checked)
+        _verify_checksums([r for r in (checked.weights, checked.states) if r is not None], files)
+    except BaseException:
+        checked.close()
+        raise
+    return checked
+
+
+def _check_manifest(folder: str) -> dict[str, dict[str, Any]]:
+    """manifest.json's file entries, after checking that each file is there with its size."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        manifest = json.loads(_run(read_bytes(path)))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}); the checkpoint is damaged, use an intact "
+                              "copy") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(_manifest_entry(n, e) for n, e in files.items()):
+        raise CheckpointError(f"{path}: not a tiermem manifest (expected {{'format': {FORMAT}, 'files': {{name: "
+                              "{'bytes', 'crc32' or 'header_crc32' and 'tensors'}}}}); the checkpoint is damaged")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}; this tiermem reads format {FORMAT}. Load it "
+                              "with the tiermem that saved it, or stream its weights with checkpoint=")
+    for name, entry in files.items():
+        file = os.path.join(folder, name)
+        try:
+            size = os.stat(file).st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{file}: missing, but {MANIFEST} lists it; the checkpoint is incomplete. Nothing "
+                                  "was loaded; use an intact copy of the checkpoint") from None
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, but {MANIFEST} says {entry['bytes']}: the file was "
+                                  "truncated or replaced after the save. Nothing was loaded; use an intact copy")
+    return files
+
+
+def _manifest_entry(name: Any, entry: Any) -> bool:
+    if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+        return False
+    if not isinstance(entry, dict) or not _count(entry.get("bytes")):
+        return False
+    if "crc32" in entry:
+        return _count(entry["crc32"])
+    tensors = entry.get("tensors")
+    return (_count(entry.get("header_crc32")) and isinstance(tensors, dict)
+            and all(isinstance(k, str) and _count(v) for k, v in tensors.items()))
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_shards(reader: SafetensorsCheckpoint, files: dict[str, dict[str, Any]]) -> None:
+    """Each shard the index names is in the manifest, with the same header and the same tensors."""
+    for path, tensors in reader.shards.items():
+        entry = files.get(os.path.basename(path))
+        if os.path.dirname(path) != os.path.dirname(reader.path) or entry is None or "tensors" not in entry:
+            raise CheckpointError(f"{reader.path} names the shard {path}, which {MANIFEST} does not list; the "
+                                  "index was changed after the save. Nothing was loaded; use an intact copy")
+        if reader.header_crc32[path] != entry["header_crc32"]:
+            raise CheckpointError(f"{path}: the safetensors header does not match its CRC-32 in {MANIFEST}: it was "
+                                  "changed or damaged after the save. Nothing was loaded; use an intact copy")
+        if set(tensors) != set(entry["tensors"]):
+            extra = sorted(set(tensors) ^ set(entry["tensors"]))
+            raise CheckpointError(f"{path}: tensors {extra[:5]} are in the header or in {MANIFEST} but not in "
+                                  "both; the checkpoint is damaged. Nothing was loaded; use an intact copy")
+
+
+def _check_tensor(reader: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                  what: str) -> None:
+    entry = reader.entries.get(name)
+    if entry is None:
+        raise CheckpointError(f"{reader.path}: no tensor {name!r} ({what}); the checkpoint was saved from another "
+                              "model or optimizer, or is incomplete. Nothing was loaded")
+    if entry.shape != tuple(shape):
+        raise CheckpointError(f"{entry.path}: tensor {name!r} has shape {list(entry.shape)} but {what} has "
+                              f"{list(shape)}; the checkpoint was saved from another model config. Nothing was "
+                              "loaded")
+    if entry.dtype != dtype and not (entry.dtype.is_floating_point and dtype.is_floating_point):
+        raise CheckpointError(f"{entry.path}: tensor {name!r} is {entry.dtype} but {what} is {dtype}, which cannot "
+                              "be converted; the checkpoint was saved from another model. Nothing was loaded")
+
+
+def _check_model(tm: OffloadHandle, weights: SafetensorsCheckpoint) -> None:
+    names = [fqn for u in tm.units for fqn, _ in u.params]
+    missing = sorted(n for n in names if n not in weights.entries)
+    if missing:
+        raise CheckpointError(f"{os.path.dirname(weights.path)}: parameters {missing[:5]} are not in the checkpoint; "
+                              "it was saved from another model")
+    for unit in tm.units:
+        dtypes = {s.name: s.dtype for s in unit.partition.layout.slots}
+        for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
+            _check_tensor(weights, fqn, shape, dtypes[fqn], f"the model's parameter {fqn!r}")
+    for name, buf in _persistent_buffers(tm.model):
+        _check_tensor(weights, name, tuple(buf.shape), buf.dtype, f"the model's buffer {name!r}")
+
+
+def _check_optimizer(tm: OffloadHandle, folder: str, files: dict[str, dict[str, Any]], contents: dict[str, bytes],
+                     checked: _Checked) -> None:
+    opt = tm.optimizer
+    assert opt is not None
+    state_path = os.path.join(folder, TRAINER_STATE)
+    if TRAINER_STATE not in contents:
+        raise CheckpointError(f"{folder}: no {TRAINER_STATE}; the checkpoint holds no optimizer state (it was saved "
+                              "without an optimizer). Load it into tiered_offload(model) without optimizer=")
+    try:
+        saved = json.loads(contents[TRAINER_STATE])
+    except ValueError as exc:
+        raise CheckpointError(f"{state_path}: not valid JSON ({exc}); use an intact copy of the checkpoint") from None
+    _check_trainer_state(tm, saved, state_path)
+    checked.trainer = saved
+    expected = list(_optimizer_tensors(tm))
+    if not expected:
+        return
+    if OPTIMIZER_INDEX not in files:
+        raise CheckpointError(f"{os.path.join(folder, OPTIMIZER_INDEX)}: missing, but {TRAINER_STATE} records "
+                              f"optimizer state {saved['state_kinds']} for {len(saved['steps'])} parameters. Nothing "
+                              "was loaded; use an intact copy of the checkpoint")
+    checked.states = SafetensorsCheckpoint(os.path.join(folder, OPTIMIZER_INDEX))
+    _check_shards(checked.states, files)
+    for name, dtype, shape, _ in expected:
+        _check_tensor(checked.states, name, shape, dtype, f"the optimizer state {name!r}")
+
+
+def _check_trainer_state(tm: OffloadHandle, saved: Any, path: str) -> None:
+    """trainer_state.json is well-formed and agrees with `tm.optimizer`."""
+    opt = tm.optimizer
+    assert opt is not None
+
+    def malformed(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}; tm.save_checkpoint did not write this file as it is. Nothing was "
+                               "loaded; use an intact copy of the checkpoint")
+
+    if not isinstance(saved, dict):
+        raise malformed("expected a JSON object")
+    if saved.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {saved.get('format')!r}; this tiermem reads format {FORMAT}")
+    if saved.get("optimizer") != opt.kind.__name__:
+        raise CheckpointError(f"{path}: saved with {saved.get('optimizer')}, loading into {opt.kind.__name__}; "
+                              "use the same optimizer type")
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise malformed("'param_groups' is not a list of objects")
+    if len(groups) != len(opt.param_groups):
+        raise CheckpointError(f"{path}: {len(groups)} param groups saved, the optimizer has {len(opt.param_groups)}")
+    name_of = _param_names(tm)
+    for k, (group, stored) in enumerate(zip(opt.param_groups, groups, strict=True)):
+        names = stored.get("params")
+        if not isinstance(names, list) or sorted(map(str, names)) != sorted(name_of[id(p)] for p in group["params"]):
+            raise CheckpointError(f"{path}: param group {k} was saved with other parameters than the optimizer's "
+                                  f"group {k} holds; build the optimizer with the param groups it was saved with")
+        for key, value in stored.items():
+            if key != "params" and not _plain(value):
+                raise malformed(f"param group {k}: {key!r} is {value!r}")
+            if isinstance(group.get(key), tuple) and not isinstance(value, list):
+                raise malformed(f"param group {k}: {key!r} is {value!r}, expected a list")
+    if saved.get("state_kinds") != opt._state_kinds():
+        raise CheckpointError(f"{path}: saved with optimizer state {saved.get('state_kinds')}, this optimizer keeps "
+                              f"{opt._state_kinds()}; use the settings it was saved with (amsgrad, momentum, "
+                              "params.dtype)")
+    steps = saved.get("steps")
+    if not isinstance(steps, dict) or not all(_count(n) for n in steps.values()):
+        raise malformed("'steps' is not an object of step counts")
+    scale = saved.get("loss_scale")
+    if scale is not None and not (isinstance(scale, dict) and all(
+            isinstance(scale.get(k), int | float) and not isinstance(scale.get(k), bool) and math.isfinite(scale[k])
+            for k in ("scale", "good_steps", "skipped_steps"))):
+        raise malformed("'loss_scale' is not an object with finite scale, good_steps and skipped_steps")
+    trainable = {fqn for st in opt.units for fqn, _, _ in st.trainable}
+    unknown = sorted(set(steps) - trainable)
+    if unknown:
+        raise CheckpointError(f"{path}: step counts for {unknown[:5]}, which this optimizer does not train; it was "
+                              "saved from another model or with other param groups")
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    return isinstance(value, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+
+
+def _verify_checksums(readers: list[SafetensorsCheckpoint], files: dict[str, dict[str, Any]]) -> None:
+    """Read every tensor of the shards behind `readers` and compare its CRC-32 with the manifest's."""
+    shards = [(r, path) for r in readers for path in r.shards]
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(shards)))) as pool:  # zlib and reads release the GIL
+        sums = list(pool.map(lambda rp: rp[0].checksums(rp[1]), shards))
+    for (_, path), got in zip(shards, sums, strict=True):
+        want = files[os.path.basename(path)]["tensors"]
+        bad = [name for name in got if got[name] != want[name]]
+        if bad:
+            name = bad[0]
+            more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+            raise CheckpointError(f"{path}: tensor {name!r}{more} does not match its CRC-32 in {MANIFEST} (read "
+                                  f"{got[name]:08x}, saved {want[name]:08x}): its bytes were damaged after the "
+                                  "save. Nothing was loaded; use an intact copy of the checkpoint")
+
+
+# -- loading ------------------------------------------------------------------------------------------
+def _load(tm: OffloadHandle, checked: _Checked) -> None:
+    """Read a checked checkpoint into the partitions, buffers and optimizer."""
+    weights = checked.weights
+    engine = tm.swapper.engine
+    for unit in tm.units:
+        views = tm.swapper.acquire(unit.partition, "host")
+        try:
+            for fqn, _ in unit.params:
+                weights.read_into(engine, fqn, views[fqn])
+        finally:
+            tm.swapper.release(unit.partition, dirty=True, tier="host")
+    for name, buf in _persistent_buffers(tm.model):  # buffers live on the device: read on the host, then copy
+        staged = torch.empty(buf.shape, dtype=buf.dtype)
+        weights.read_into(engine, name, staged)
+        with torch.no_grad():
+            buf.copy_(staged)
+    opt = tm.optimizer
+    if opt is None:
+        return
+    saved = checked.trainer
+    for group, stored in zip(opt.param_groups, saved["param_groups"], strict=True):
+        for k, v in stored.items():
+            if k != "params":
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+    kinds = opt._state_kinds()
+    opt.load_loss_scale_state(saved.get("loss_scale"))
+    for st in opt.units:
+        st.steps = {f: int(saved["steps"][f]) for f, _, _ in st.trainable if f in saved["steps"]}
+        if st.state is None:
+            continue
+        assert checked.states is not None  # _check_optimizer opened it: there are tensors to read
+        views = tm.swapper.acquire(st.state, "host")
+        try:
+            for kind in kinds:
+                for fqn, _, _ in st.trainable:
+                    checked.states.read_into(engine, f"{fqn}::{kind}", views[f"{kind}.{fqn}"])
+        finally:
+            tm.swapper.release(st.state, dirty=True, tier="host")

@@ -304,6 +304,24 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.swapper.evict(st.state)
         return True
 
+    def loss_scale_state(self) -> dict[str, float | int] | None:
+        """The dynamic loss scale's state (float16 parameters), for checkpoints; None without loss scaling."""
+        if not self.loss_scaling:
+            return None
+        return {"scale": self.scale, "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_loss_scale_state(self, state: Any) -> None:
+        """Put back what `loss_scale_state` returned (nothing to do for None or without loss scaling)."""
+        if not self.loss_scaling or not isinstance(state, dict):
+            return
+        self.scale = float(state.get("scale", self.scale))
+        self._good_steps = int(state.get("good_steps", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def has_state(self) -> bool:
+        """Whether any step has been taken (there is optimizer state worth keeping)."""
+        return any(st.steps for st in self.units)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients (the accumulators are overwritten by the next backward).
 

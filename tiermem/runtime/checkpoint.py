@@ -5,6 +5,10 @@ its dtype, shape and byte range, then the raw bytes. Reading a tensor is one pos
 range into its slot in the partition; nothing else of the file is held in memory, so a model larger
 than host RAM loads with memory bounded by the host budget. A sharded checkpoint is a
 `*.safetensors.index.json` whose `weight_map` names the file holding each tensor.
+
+The writer computes a CRC-32 (zlib) of the header and of each tensor's bytes as it writes them, and the
+reader can compute the same from the file (`checksums`), so a caller that stored the writer's values
+(tiermem/checkpointing.py keeps them in a manifest) can tell a damaged file before it loads anything.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +34,7 @@ _DTYPES = {
 }
 _NAMES.update({v: k for k, v in _DTYPES.items()})
 MAX_HEADER = 100 << 20
+CHUNK = 4 << 20  # bytes per read when checksumming a file
 
 
 class CheckpointError(TiermemError):
@@ -55,6 +61,8 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"checkpoint {self.path} does not exist; pass the path of a .safetensors file "
                                   "or of a *.safetensors.index.json")
         self.entries: dict[str, Entry] = {}
+        self.shards: dict[str, dict[str, Entry]] = {}  # file path -> the tensors its header lists
+        self.header_crc32: dict[str, int] = {}  # file path -> CRC-32 of its length field and header
         if self.path.endswith(".json"):
             index = _load_json(self.path)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -80,25 +88,35 @@ class SafetensorsCheckpoint:
                 (n,) = struct.unpack("<Q", raw)
                 if n > MAX_HEADER:
                     raise CheckpointError(f"{path}: header of {n} bytes; the file is not safetensors or is corrupt")
-                header = json.loads(f.read(n))
+                raw_header = f.read(n)
+                if len(raw_header) != n:
+                    raise CheckpointError(f"{path}: the header is cut short; the file is truncated")
+                header = json.loads(raw_header)
                 size = os.fstat(f.fileno()).st_size
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
         except ValueError as exc:
             raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: the safetensors header is not a JSON object; the file is corrupt")
+        self.header_crc32[path] = zlib.crc32(raw_header, zlib.crc32(raw))
         base = 8 + n
+        tensors = self.shards.setdefault(path, {})
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
             try:
                 dtype = _DTYPES[meta["dtype"]]
-                begin, end = meta["data_offsets"]
+                begin, end = (int(x) for x in meta["data_offsets"])
                 shape = tuple(int(d) for d in meta["shape"])
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {meta!r}") from None
-            if base + end > size or begin > end:
+            if base + end > size or not 0 <= begin <= end:
                 raise CheckpointError(f"{path}: tensor {name!r} lies past the end of the file; it is truncated")
-            self.entries[name] = Entry(path, base + begin, end - begin, dtype, shape)
+            if end - begin != _nbytes(dtype, shape):
+                raise CheckpointError(f"{path}: tensor {name!r} spans {end - begin} bytes, but {list(shape)} of "
+                                      f"{meta['dtype']} needs {_nbytes(dtype, shape)}; the header is corrupt")
+            tensors[name] = self.entries[name] = Entry(path, base + begin, end - begin, dtype, shape)
 
     def read_into(self, engine: IOEngine, name: str, target: torch.Tensor) -> None:
         """Read tensor `name` into `target` (a CPU tensor of the same shape), converting its dtype if needed."""
@@ -117,10 +135,39 @@ class SafetensorsCheckpoint:
         engine.read(f, tmp, e.offset, e.nbytes).wait()
         target.copy_(tmp)
 
+    def checksums(self, path: str) -> dict[str, int]:
+        """The CRC-32 of each tensor's bytes in the file at `path` (one of `shards`), read front to back in
+        CHUNK-byte pieces, so memory stays small whatever the file's size."""
+        spans = sorted((e.offset, e.nbytes, name) for name, e in self.shards[path].items())
+        buf = memoryview(bytearray(min(CHUNK, max((n for _, n, _ in spans), default=1)) or 1))
+        out: dict[str, int] = {}
+        try:
+            with open(path, "rb", buffering=0) as f:
+                for offset, nbytes, name in spans:
+                    f.seek(offset)
+                    crc, left = 0, nbytes
+                    while left:
+                        got = f.readinto(buf[:min(left, len(buf))])
+                        if not got:
+                            raise CheckpointError(f"{path}: tensor {name!r} ends early; the file is truncated")
+                        crc = zlib.crc32(buf[:got], crc)
+                        left -= got
+                    out[name] = crc
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
+        return out
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = torch.empty(0, dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n
 
 
 def _load_json(path: str) -> object:
@@ -135,7 +182,8 @@ def _load_json(path: str) -> object:
 
 class SafetensorsWriter:
     """Writes one safetensors file tensor by tensor: the header first (from names, dtypes and shapes),
-    then each tensor's bytes in the same order, so no more than one tensor is in memory at a time."""
+    then each tensor's bytes in the same order, so no more than one tensor is in memory at a time. The CRC-32
+    of the header and of each tensor's bytes are taken as they are written (`header_crc32`, `crc32`)."""
 
     def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None) -> None:
@@ -146,16 +194,18 @@ class SafetensorsWriter:
         for name, dtype, shape in specs:
             if dtype not in _NAMES:
                 raise CheckpointError(f"{name}: dtype {dtype} cannot be stored in safetensors")
-            nbytes = torch.empty(0, dtype=dtype).element_size()
-            for d in shape:
-                nbytes *= d
+            nbytes = _nbytes(dtype, shape)
             header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self.expected.append((name, nbytes))
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        head = struct.pack("<Q", len(raw)) + raw
+        self.header_crc32 = zlib.crc32(head)  # what SafetensorsCheckpoint.header_crc32 reads back
+        self.crc32: dict[str, int] = {}  # tensor name -> CRC-32 of its bytes as written
+        self.size = len(head) + offset  # the file's length once every tensor is written
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._file.write(head)
         self._next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -167,6 +217,7 @@ class SafetensorsWriter:
         if len(view) != nbytes:
             raise CheckpointError(f"{self.path}: tensor {name!r} has {len(view)} bytes, the header says {nbytes}")
         self._file.write(view)
+        self.crc32[name] = zlib.crc32(view)
         self._next += 1
 
     def close(self) -> None:
