@@ -75,7 +75,7 @@ def compare(tmp_path, make_opt: Callable[[nn.Module], torch.optim.Optimizer], *,
                            clip_fn=lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c))
     model = build()
     opt = make_opt(model)
-    with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **tiers)) as tm:
+    with tiered_offload(model, optimizer=opt, restore_optimizer=True, **cfg(tmp_path, **tiers)) as tm:
         losses = run_steps(model, tm.optimizer, data, accumulate=accumulate, clip=clip,
                            sched=sched(tm.optimizer) if sched else None, clip_fn=tm.clip_grad_norm_)
     tol = {} if exact else {"rtol": 1e-5, "atol": 1e-7}

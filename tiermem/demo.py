@@ -61,6 +61,27 @@ def _token_ids(shape: tuple[int, ...], vocab: int, seed: int, device: torch.devi
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
+def _reset_peak_rss() -> None:
+    """Restart the kernel's peak-RSS mark of this process (Linux: /proc/self/clear_refs), where it can."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    """Peak RSS since the last reset (VmHWM), else since the process started (ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class _TokenProgress:
     """A transformers streamer that advances a progress bar per generated token."""
 
@@ -111,6 +132,7 @@ def run_training(args: argparse.Namespace) -> int:
         tm.reset_stats()
         optimizer = tm.optimizer
         assert optimizer is not None
+        _reset_peak_rss()
         bar = ProgressBar()
         for step, ids in enumerate(data):
             t0 = time.perf_counter()
@@ -123,9 +145,11 @@ def run_training(args: argparse.Namespace) -> int:
             losses.append(float(loss.detach()))
             bar(step + 1, len(data), f"training step {step + 1}/{len(data)}  loss {losses[-1]:.3f}")
         bar.close()
+        steps_rss = _peak_rss()
         s = tm.stats()
         saved = tm.save_checkpoint(ckpt)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        _reset_peak_rss()
+    exit_rss = _peak_rss()  # leaving: the parameters come back; the optimizer state stays in its tier
     peak = s["peak_bytes"]
     steady = times[1:] or times
     print(f"\nGPT training: {args.train_layers} layers x {args.train_width}, {n_params / 1e6:.1f}M parameters, "
@@ -137,8 +161,10 @@ def run_training(args: argparse.Namespace) -> int:
     print(f"moved {format_size(moved / len(times))} per step (read {format_size(s['bytes_read'])}, written "
           f"{format_size(s['bytes_written'])} in all), stall {s['stall_seconds']:.2f} s")
     print(f"peak device {format_size(peak['device'])}, peak host {format_size(peak['host'])}, NVMe "
-          f"{format_size(peak['nvme'])}, peak RSS of this process {format_size(rss)}")
-    print(f"checkpoint written to {saved} (loads with transformers' from_pretrained)")
+          f"{format_size(peak['nvme'])}; peak RSS of this process during the steps {format_size(steps_rss)}, "
+          f"while leaving the context {format_size(exit_rss)}")
+    print(f"checkpoint written to {saved} (weights and optimizer state; the weights load with transformers' "
+          "from_pretrained)")
     if not args.keep:
         shutil.rmtree(swap, ignore_errors=True)
     return 0

@@ -24,6 +24,7 @@ from torch import nn
 
 from tiermem.config import Config
 from tiermem.errors import BudgetError, TiermemError
+from tiermem.interrupts import deferred_interrupts
 from tiermem.io.engine import IOEngine
 from tiermem.memory import cpu_allocator, trim
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
@@ -43,6 +44,15 @@ class OffloadError(TiermemError):
     """The model cannot be offloaded as asked (already wrapped, meta parameters without a checkpoint...)."""
 
 
+class RestoreError(OffloadError):
+    """Leaving the context, some parameters could not be given back (their bytes could not be read); every
+    other parameter was. `failed` maps each such parameter's name to the error."""
+
+    def __init__(self, message: str, failed: dict[str, BaseException]) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
 class OffloadHandle:
     """What `with tiered_offload(...) as tm` yields: statistics and controls of the running offload."""
 
@@ -53,26 +63,35 @@ class OffloadHandle:
         self.runtime = runtime
         self.config: Config = swapper.config
         self.optimizer = optimizer  # the stand-in for the optimizer passed in (None when not training)
+        self.closed = False  # the context has ended: the parameters are ordinary tensors again, the swap is gone
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise OffloadError(f"{what} after the tiered_offload context has ended; call it inside the `with` block")
 
     def save_checkpoint(self, path: str | os.PathLike[str], max_shard_bytes: int = 1 << 30) -> str:
         """Write weights (sharded safetensors + index, readable by transformers' from_pretrained), buffers and
         optimizer state to `path`, streaming unit by unit; atomic (temporary directory, then rename)."""
         from tiermem.checkpointing import save_checkpoint
 
+        self._check_open("save_checkpoint")
         return save_checkpoint(self, path, max_shard_bytes)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Load what `save_checkpoint` wrote (weights, buffers, optimizer state and steps)."""
         from tiermem.checkpointing import load_checkpoint
 
+        self._check_open("load_checkpoint")
         load_checkpoint(self, path)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the dynamic loss scale applied when parameters are float16 (else the same)."""
+        self._check_open("tm.backward")
         (self.optimizer.scale_loss(loss) if self.optimizer is not None else loss).backward()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
+        self._check_open("tm.clip_grad_norm_")
         if self.optimizer is None:
             raise OffloadError("clip_grad_norm_ needs the optimizer: tiered_offload(model, config, optimizer=opt)")
         return self.optimizer.clip_grad_norm_(max_norm, norm_type)
@@ -134,6 +153,7 @@ class OffloadHandle:
     def gathered(self, *modules: nn.Module) -> Iterator[None]:
         """Make the parameters of `modules` (default: the whole model) real tensors for a block of code
         outside forward, e.g. to inspect or edit weights; edits are kept (written back as needed)."""
+        self._check_open("tm.gathered()")
         wanted = modules or (self.model,)
         ids = {id(p) for m in wanted for p in m.parameters()}
         indices = [u.index for u in self.units if any(id(p) in ids for _, p in u.params)]
@@ -148,7 +168,7 @@ class OffloadHandle:
 def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
                    checkpoint: str | os.PathLike[str] | None = None, restore: bool = True, prefetch: bool = True,
                    engine: IOEngine | None = None, optimizer: torch.optim.Optimizer | None = None,
-                   **overrides: Any) -> Iterator[OffloadHandle]:
+                   restore_optimizer: bool = False, **overrides: Any) -> Iterator[OffloadHandle]:
     """Run `model` with its parameters in tiers (device, host, NVMe) as the config says.
 
     Args:
@@ -164,6 +184,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         optimizer: a torch.optim.AdamW, Adam or SGD built on the model's parameters, to train: gradients
             then leave the device unit by unit and the state lives in optimizer.tier; use `tm.optimizer`
             (calling the original's step()/zero_grad() inside the context does the same).
+        restore_optimizer: on exit, also copy the optimizer state into `optimizer` (in host memory, so
+            training can go on outside). Off by default: that state is often larger than RAM, and leaving
+            must never need more memory than the parameters. To keep it, call ``tm.save_checkpoint(dir)``
+            inside the context, or ``optimizer.load_state_dict(tm.optimizer.state_dict())``.
         **overrides: dotted config keys, e.g. ``**{"prefetch.depth": 4}`` or ``prefetch__depth=4``.
 
     Yields:
@@ -171,8 +195,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         ``optimizer``, ``backward(loss)``, ``clip_grad_norm_()``, ``save_checkpoint()``, ``load_checkpoint()``.
     """
     if getattr(model, _ATTR, None) is not None:
-        raise OffloadError(f"{type(model).__name__} is already inside tiered_offload; exit that context before "
-                           "entering another on the same model")
+        what = "is" if getattr(model, _ATTR).model is model else "belongs to a model that is"
+        raise OffloadError(f"{type(model).__name__} {what} already inside tiered_offload; exit that context before "
+                           "entering another on it")
     for name, mod in model.named_modules():
         if getattr(mod, _ATTR, None) is not None:
             raise OffloadError(f"submodule {name!r} of {type(model).__name__} is already inside tiered_offload; "
@@ -191,7 +216,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
         runtime = _pack(model, swapper, checkpoint, prefetch, optimizer)
         handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
-        setattr(model, _ATTR, handle)
+        for mod in model.modules():  # every submodule too: none of them may enter another context
+            setattr(mod, _ATTR, handle)
         if optimizer is not None:
             override = dtype_of(swapper.config.params.dtype)
             handle.optimizer = TieredOptimizer(optimizer, runtime.units, swapper,
@@ -211,14 +237,23 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     finally:
         try:
             if handle is not None:
-                handle.runtime.remove_hooks()
-                _unpack(handle, restore)
-                _undelegate(optimizer, patched)
-                if restore and handle.optimizer is not None and optimizer is not None:
-                    optimizer.load_state_dict(handle.optimizer.state_dict())  # training goes on outside
+                with deferred_interrupts():  # a second Ctrl-C must not leave the model half given back
+                    handle.runtime.remove_hooks()
+                    _undelegate(optimizer, patched)
+                    if restore_optimizer and handle.optimizer is not None and optimizer is not None:
+                        optimizer.load_state_dict(handle.optimizer.state_dict())  # training goes on outside
+                    elif handle.optimizer is not None and handle.optimizer.has_state():
+                        log.warning("leaving tiered_offload: the optimizer state stays behind (it lives in "
+                                    "optimizer.tier and goes with the swap files); save it inside the context with "
+                                    "tm.save_checkpoint(dir), or pass restore_optimizer=True to copy it into the "
+                                    "optimizer on exit")
+                    _unpack(handle, restore)
         finally:
-            if handle is not None and getattr(model, _ATTR, None) is handle:
-                delattr(model, _ATTR)
+            if handle is not None:
+                handle.closed = True
+                for mod in model.modules():
+                    if getattr(mod, _ATTR, None) is handle:
+                        delattr(mod, _ATTR)
             try:
                 swapper.close()
             finally:
@@ -272,21 +307,24 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
                 holders.setdefault(id(p), []).append((mod, pname))
     moved: list[tuple[nn.Module, str, torch.device]] = []
     try:
-        _move_buffers(model, ckpt, swapper, moved)
-        for index, up in enumerate(plan.units):
-            units.append(_pack_unit(index, up, swapper, ckpt, override, plan.aliases, holders))
-    except BaseException:
-        for u in units:  # give the parameters back before failing: nothing is lost
-            _restore_unit(u, swapper)
-        _restore_buffers(moved)
+        try:
+            _move_buffers(model, ckpt, swapper, moved)
+            for index, up in enumerate(plan.units):
+                units.append(_pack_unit(index, up, swapper, ckpt, override, plan.aliases, holders))
+        finally:
+            if ckpt is not None:
+                ckpt.close()
+        swapper.flush()  # every NVMe partition is on disk before the first forward
+        trim()  # the model's own parameter memory is free now: give it back (see tiermem/memory.py)
+        swapper.register_pool()  # only now: registering faults in the whole pool (see TensorSwapper.__init__)
+        runtime = Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
+    except BaseException as exc:
+        with deferred_interrupts():  # give the parameters back before failing: nothing is lost
+            _restore_buffers(moved)
+            failed = _restore_units(model, units, swapper)
+        if failed:
+            raise _restore_error(failed, "entering tiered_offload failed and ") from exc
         raise
-    finally:
-        if ckpt is not None:
-            ckpt.close()
-    swapper.flush()  # every NVMe partition is on disk before the first forward
-    trim()  # the model's own parameter memory is free now: give it back (see tiermem/memory.py)
-    swapper.register_pool()  # only now: registering faults in the whole pool (see TensorSwapper.__init__)
-    runtime = Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
     runtime.moved_buffers = moved
     return runtime
 
@@ -382,8 +420,36 @@ def _unpack(handle: OffloadHandle, restore: bool) -> None:
     if not restore:
         _to_meta(handle.model, handle.units)
         return
-    for unit in handle.units:
-        _restore_unit(unit, handle.swapper)
+    failed = _restore_units(handle.model, handle.units, handle.swapper)
+    if failed:
+        raise _restore_error(failed, "")
+
+
+def _restore_units(model: nn.Module, units: list[Unit], swapper: TensorSwapper) -> dict[str, BaseException]:
+    """Give every unit's parameters back; a unit that cannot be read does not stop the others. Returns the
+    names of the parameters that could not be restored (made meta-device Parameters, shapes kept), with why."""
+    failed: dict[str, BaseException] = {}
+    lost: list[Unit] = []
+    for unit in units:
+        try:
+            _restore_unit(unit, swapper)
+        except Exception as exc:  # noqa: BLE001 - reported below, with every other unit's
+            log.error("could not restore unit %r: %s", unit.name, exc)
+            lost.append(unit)
+            failed.update((fqn, exc) for fqn, _ in unit.params)
+    if lost:
+        _to_meta(model, lost)
+    return failed
+
+
+def _restore_error(failed: dict[str, BaseException], context: str) -> RestoreError:
+    names = list(failed)
+    errors = sorted({str(e) for e in failed.values()})
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return RestoreError(
+        f"{context}{len(names)} parameter(s) could not be given back, their bytes unreadable "
+        f"({'; '.join(errors[:3])}): {shown}. Every other parameter was restored; these are on the meta device "
+        "now. Check the drive (dmesg, smartctl) and reload them from your last checkpoint", failed)
 
 
 def _restore_unit(unit: Unit, swapper: TensorSwapper) -> None:

@@ -29,8 +29,18 @@ class ThreadEngine(IOEngine):
             threading.Thread(target=self._work, name=f"tiermem-io-{i}", daemon=True)
             for i in range(min(queue_depth, MAX_THREADS))
         ]
-        for t in self._workers:
-            t.start()
+        started = []
+        try:
+            for t in self._workers:
+                t.start()
+                started.append(t)
+        except BaseException:  # an interrupt (or no more threads) midway: stop the ones that run, then fail
+            for _ in started:
+                self._queue.put(None)
+            for t in started:
+                t.join()
+            self.closed = True
+            raise
 
     def _submit(self, chunks: list[Chunk]) -> None:
         with self._closing:  # never behind the workers' stop marks: that chunk would wait forever

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from tiermem.config import Config
 from tiermem.errors import BudgetError, StoreError
+from tiermem.interrupts import deferred_interrupts
 from tiermem.io.buffers import HostBufferPool, PoolBuffer
 from tiermem.io.engine import IOEngine, create_engine
 from tiermem.io.future import IOFuture
@@ -143,10 +144,11 @@ class HostCache:
             self.mover.synchronize(self.mover.to_host(part.device_data, buf.tensor()))
         else:
             assert part.extent is not None
-            part.attach_host(buf, self.ledger, HostState.READING)
-            fut = self.store.read(part.extent, buf.view, part.size)
-            part.pending = fut
-            fut.add_done_callback(lambda f: self._read_done(part, f))
+            with deferred_interrupts():  # the state says "reading" only once the read is queued
+                fut = self.store.read(part.extent, buf.view, part.size)  # raises before any change
+                part.attach_host(buf, self.ledger, HostState.READING)
+                part.pending = fut
+                fut.add_done_callback(lambda f: self._read_done(part, f))
         self.complete_waiters(part)
 
     def _read_done(self, part: Partition, fut: IOFuture) -> None:
@@ -161,6 +163,12 @@ class HostCache:
                         f"their checksum ({got:#010x} != {part.checksum:#010x}); the swap files were changed or "
                         "the drive returned bad data. Check the drive (dmesg, smartctl) and rerun"
                     )
+            if isinstance(error, OSError):  # the drive's own error, with the partition it cost
+                wrapped = StoreError(f"reading partition {part.name!r} from swap failed: {error}; its NVMe copy is "
+                                     "intact as far as tiermem knows, so a retry may succeed. Check the drive "
+                                     "(dmesg, smartctl)")
+                wrapped.__cause__ = error
+                error = wrapped
             if error is not None:
                 part.detach_host(self.pool, self.ledger)
                 part.want_device = False
@@ -183,16 +191,18 @@ class HostCache:
     # -- writing back (lock held) ---------------------------------------------------------------------
     def start_write(self, part: Partition, *, free_after: bool) -> IOFuture:
         assert part.extent is not None and part.host is not None and part.host_state is HostState.READY
-        if self.config.nvme.checksum:
-            part.checksum = zlib.crc32(part.host.view[: part.nbytes])
-        part.host_state = HostState.WRITING
-        part.free_after_write = free_after
-        part.written_version = part.version
-        raw = self.store.write(part.extent, part.host.view, part.size)
-        # what callers wait on completes after _write_done has recorded the write, not when the bytes land
-        done = IOFuture(raw.nbytes, 1)
-        part.pending = done
-        raw.add_done_callback(lambda f: self._write_done(part, f, done))
+        checksum = zlib.crc32(part.host.view[: part.nbytes]) if self.config.nvme.checksum else None
+        with deferred_interrupts():  # the state says "writing" only once the write is queued
+            raw = self.store.write(part.extent, part.host.view, part.size)  # raises before any change
+            if checksum is not None:
+                part.checksum = checksum
+            part.host_state = HostState.WRITING
+            part.free_after_write = free_after
+            part.written_version = part.version
+            # what callers wait on completes after _write_done has recorded the write, not when the bytes land
+            done = IOFuture(raw.nbytes, 1)
+            part.pending = done
+            raw.add_done_callback(lambda f: self._write_done(part, f, done))
         return done
 
     def _write_done(self, part: Partition, fut: IOFuture, done: IOFuture) -> None:

@@ -16,6 +16,7 @@ yet used: when there is no room it is skipped.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -112,7 +113,14 @@ class TensorSwapper:
         self.partitions: dict[str, Partition] = {}  # by name, in insertion order
         self.ledger = Ledger(host_budget=None, device_budget=cfg.memory.device_budget)
         # every partition's host bytes come from here; the activations' buffer is the budget's other part
-        pool = HostBufferPool(cfg.memory.host_budget)  # one cache for every partition, saved activations too
+        try:
+            pool = HostBufferPool(cfg.memory.host_budget)  # one cache for every partition, saved activations too
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            raise BudgetError(f"memory.host_budget ({format_size(cfg.memory.host_budget)}) cannot be mapped: "
+                              f"{exc.strerror}; lower memory.host_budget or raise this process's memory limit "
+                              "(ulimit -v, the container's limit, vm.overcommit_memory)") from None
         self.ledger.budget["host"] = pool.nbytes
         self.cache = HostCache(cfg, self._lock, self.partitions, self.ledger, pool, self.mover, engine)
         self.device_cap: int | None = cfg.memory.device_budget  # explicit, or derived by the runtime
@@ -307,10 +315,16 @@ class TensorSwapper:
                     part.waiters = [f for f in part.waiters if f is not fut]
                 raise
             with self._lock:
-                if part.host_state is HostState.NONE:
-                    self.cache.fill(part, buf)
-                else:
+                if part.host_state is not HostState.NONE:
                     self.pool.free(buf)  # another fetch got there first
+                    return fut
+                try:
+                    self.cache.fill(part, buf)
+                except BaseException:  # the read could not be queued: nothing is waiting for it
+                    if part.host is not buf:
+                        self.pool.free(buf)
+                    part.waiters = [f for f in part.waiters if f is not fut]
+                    raise
         return fut
 
     def prefetch(self, part: Partition, tier: str = "device") -> IOFuture | None:

@@ -1,0 +1,228 @@
+"""Faults and interrupts: nothing hangs, every parameter that can be read comes back, errors say what was lost."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests import models
+from tests.faults import FaultyEngine
+from tiermem import OffloadError, tiered_offload
+from tiermem.errors import StoreError, TiermemError
+from tiermem.io.engine import create_engine
+from tiermem.offload import RestoreError
+from tiermem.store import SwapStore
+from tiermem.swap import TensorSwapper
+
+pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
+
+
+def cfg(tmp_path, **extra: Any) -> dict[str, Any]:
+    out = {"device": "cpu", "params.tier": "nvme", "nvme.paths": [str(tmp_path / "swap")],
+           "memory.host_budget": "512KiB", "wrap.min_unit_bytes": "16KiB", "io.block_size": "256KiB"}
+    out.update(extra)
+    return out
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_values(model: nn.Module, values: dict[str, torch.Tensor], skip: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    for name, p in model.named_parameters():
+        if name not in skip:
+            assert p.device.type == "cpu" and torch.equal(p.detach(), values[name]), name
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_just_before_a_read_is_queued_neither_hangs_nor_loses(tmp_path, monkeypatch) -> None:
+    """Ctrl-C landing between 'this unit is being read' and the read's submission: the KeyboardInterrupt
+    reaches the caller, and leaving the context (which reads every unit back) does not wait forever."""
+    model = models.gpt2()
+    before = snapshot(model)
+    ids = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(0))
+    real_read = SwapStore.read
+    calls = {"n": 0}
+
+    def interrupted_read(self: SwapStore, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            signal.raise_signal(signal.SIGINT)  # as if the user pressed Ctrl-C right here
+        return real_read(self, *args, **kwargs)
+
+    with pytest.raises(KeyboardInterrupt):
+        with tiered_offload(model, **cfg(tmp_path)):
+            monkeypatch.setattr(SwapStore, "read", interrupted_read)
+            with torch.no_grad():
+                model(ids)
+    monkeypatch.undo()
+    assert calls["n"] >= 3
+    assert_values(model, before)
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EIO, "Input/output error"), KeyboardInterrupt()],
+                         ids=["EIO", "interrupt"])
+def test_an_error_late_in_entry_gives_every_parameter_back(tmp_path, monkeypatch, error: BaseException) -> None:
+    """Raised after every unit was packed (here by the pool's registration), entry gives the parameters
+    back with their values before the error reaches the caller."""
+    model = models.gpt2()
+    before = snapshot(model)
+
+    def fail(self: TensorSwapper) -> None:
+        raise error
+
+    monkeypatch.setattr(TensorSwapper, "register_pool", fail)
+    with pytest.raises(type(error)):
+        with tiered_offload(model, **cfg(tmp_path)):
+            pass
+    assert_values(model, before)
+    assert not hasattr(model, "_tiermem_offload")
+
+
+def test_exit_restores_every_readable_unit_and_names_the_rest(tmp_path) -> None:
+    """A drive that fails every read on exit: the units still in host memory come back with their values,
+    and one RestoreError names every parameter that could not (left on the meta device)."""
+    model = models.gpt2()
+    before = snapshot(model)
+    ids = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(0))
+    with create_engine("auto", block_size=256 << 10, queue_depth=8) as inner:
+        engine = FaultyEngine(inner)
+        with pytest.raises(RestoreError) as caught:
+            with tiered_offload(model, engine=engine, **cfg(tmp_path)):
+                with torch.no_grad():
+                    model(ids)
+                engine.fail("read")  # every read from now on, as a drive gone bad
+    failed = caught.value.failed
+    names = {n for n, _ in model.named_parameters()}
+    assert failed and set(failed) < names  # some units were readable (in host memory), some were not
+    assert all(isinstance(e, StoreError) for e in failed.values())
+    assert all(isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.EIO for e in failed.values())
+    assert all(model.get_parameter(n).is_meta for n in failed)
+    assert_values(model, before, skip=set(failed))
+    shown = next(iter(failed))
+    assert shown in str(caught.value) and "Input/output error" in str(caught.value)
+
+
+def test_leaving_does_not_copy_the_optimizer_state_unless_asked(tmp_path, caplog) -> None:
+    """Exit needs no memory for the optimizer state: it stays behind with a warning that says how to keep it,
+    unless restore_optimizer=True copies it into the optimizer."""
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    for restore_optimizer in (False, True):
+        model = models.gpt2(layers=2, width=32, vocab=100)
+        model.config.use_cache = False
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tiermem.offload"):
+            with tiered_offload(model, optimizer=opt, restore_optimizer=restore_optimizer,
+                                **cfg(tmp_path, **{"memory.host_budget": "4MiB"})) as tm:
+                tm.backward(model(ids, labels=ids).loss)
+                tm.optimizer.step()
+        if restore_optimizer:
+            assert len(opt.state) == sum(1 for _ in model.parameters())
+            assert "optimizer state stays behind" not in caplog.text
+        else:
+            assert not opt.state
+            assert "tm.save_checkpoint" in caplog.text and "restore_optimizer=True" in caplog.text
+
+
+def test_a_submodule_of_an_offloaded_model_is_refused(tmp_path) -> None:
+    """Offloading a part of a model that is already inside tiered_offload is refused, naming the problem."""
+    model = models.gpt2()
+    with tiered_offload(model, **cfg(tmp_path)):
+        with pytest.raises(OffloadError, match="already inside tiered_offload"):
+            with tiered_offload(model.transformer.h[0], **cfg(tmp_path)):
+                pass
+    with tiered_offload(model.transformer.h[0], **cfg(tmp_path)):  # after exit it may be offloaded
+        pass
+
+
+def test_the_handle_after_exit_is_a_clear_error(tmp_path) -> None:
+    """gathered(), save_checkpoint() and backward() after the context ended say so, instead of failing inside."""
+    model = models.gpt2()
+    with tiered_offload(model, **cfg(tmp_path)) as tm:
+        pass
+    for call in (lambda: tm.gathered().__enter__(), lambda: tm.save_checkpoint(tmp_path / "c"),
+                 lambda: tm.backward(torch.zeros((), requires_grad=True))):
+        with pytest.raises(OffloadError, match="after the tiered_offload context has ended"):
+            call()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,k,err", [("write", 1, errno.EIO), ("write", 4, errno.ENOSPC), ("read", 2, errno.EIO),
+                                        ("read", 9, errno.EIO), ("write", 7, errno.EIO)])
+def test_a_failed_transfer_during_training_loses_nothing(tmp_path, kind: str, k: int, err: int) -> None:
+    """One failed read or write during training: the step either goes on bit-exactly or raises a tiermem error
+    after which training goes on; the context then leaves cleanly, giving every parameter back, and leaves no
+    swap file or thread."""
+    data = [torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def build() -> nn.Module:
+        model = models.gpt2(layers=2, width=32, vocab=100)
+        model.config.use_cache = False
+        model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+        return model.train()
+
+    ref = build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for ids in data:
+        ref_opt.zero_grad()
+        ref(ids, labels=ids).loss.backward()
+        ref_opt.step()
+    threads = threading.active_count()
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    raised: BaseException | None = None
+    with create_engine("auto", block_size=256 << 10, queue_depth=8) as inner:
+        engine = FaultyEngine(inner)
+        with tiered_offload(model, optimizer=opt, engine=engine,
+                            **cfg(tmp_path, **{"memory.host_budget": "1MiB", "optimizer.tier": "nvme"})) as tm:
+            engine.fail(kind, {k}, err)
+            try:
+                for ids in data:
+                    tm.optimizer.zero_grad()
+                    tm.backward(model(ids, labels=ids).loss)
+                    tm.optimizer.step()
+            except TiermemError as exc:
+                raised = exc
+                engine.heal()
+                tm.optimizer.zero_grad()  # still usable: one more step
+                tm.backward(model(data[0], labels=data[0]).loss)
+                tm.optimizer.step()
+            engine.heal()
+        failed = engine.failed[1 if kind == "write" else 0]
+    assert failed == 1  # the fault really happened
+    if raised is None:  # it went on: then it must be exact
+        for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+            assert torch.equal(a, b), name
+    assert all(not p.is_meta and p.numel() > 0 for p in model.parameters())  # every parameter came back
+    assert not list((tmp_path / "swap").glob("tiermem-*"))
+    assert threading.active_count() == threads
+
+
+def test_an_interrupt_while_the_threads_engine_starts_leaks_no_thread(monkeypatch) -> None:
+    """Ctrl-C while the thread pool is being started stops the workers already running before it propagates."""
+    from tiermem.io.threads import ThreadEngine
+
+    before = threading.active_count()
+    real_start = threading.Thread.start
+    started = {"n": 0}
+
+    def start(self: threading.Thread) -> None:
+        started["n"] += 1
+        if started["n"] == 4:
+            raise KeyboardInterrupt
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        ThreadEngine(queue_depth=8)
+    monkeypatch.undo()
+    assert started["n"] == 4
+    assert threading.active_count() == before
