@@ -1,5 +1,6 @@
 """A fault-injecting I/O engine for the fault tests (a test tool, not a user setting): a real engine that
-fails chosen transfers the way a failing or full disk would, with the errno the kernel would give."""
+fails chosen transfers the way a failing or full disk would, with the errno the kernel would give, or
+moves only part of their bytes (a short transfer the engine could not complete)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tiermem.io.files import IOFile
 from tiermem.io.future import IOFuture
 
 OPS = {"read": OP_READ, "write": OP_WRITE}
+SHORT = -1  # fail(..., err=SHORT): half the bytes move, then the transfer fails
 
 
 class FaultyEngine(IOEngine):
@@ -29,7 +31,8 @@ class FaultyEngine(IOEngine):
         self.failed = dict.fromkeys(OPS.values(), 0)  # transfers failed so far, by kind
 
     def fail(self, kind: str, which: set[int] | None = None, err: int = errno.EIO) -> None:
-        """Fail the transfers of `kind` ('read' or 'write') numbered in `which` from now on (None: all)."""
+        """Fail the transfers of `kind` ('read' or 'write') numbered in `which` from now on (None: all). With
+        `err=SHORT` the first half of the bytes really moves, and the transfer then fails as short."""
         with self._lock:
             op = OPS[kind]
             self._seen[op] = 0
@@ -50,7 +53,16 @@ class FaultyEngine(IOEngine):
         if hit:
             assert plan is not None
             fut = IOFuture(nbytes, 1)
-            fut._chunk_done(OSError(plan[1], os.strerror(plan[1]), file.path))
+            if plan[1] == SHORT:
+                half = max(nbytes // 2 // 4096 * 4096, 0)
+                moved = self.inner._start(op, file, view, address, half, offset) if half else None
+                error: OSError = OSError(errno.EIO, f"short transfer: {half} of {nbytes} bytes", file.path)
+                if moved is None:
+                    fut._chunk_done(error)
+                else:
+                    moved.add_done_callback(lambda f: fut._chunk_done(f.exception() or error))
+            else:
+                fut._chunk_done(OSError(plan[1], os.strerror(plan[1]), file.path))
             return fut
         return self.inner._start(op, file, view, address, nbytes, offset)
 

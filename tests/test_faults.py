@@ -16,7 +16,7 @@ from hypothesis import strategies as hyp
 from torch import nn
 
 from tests import models
-from tests.faults import FaultyEngine
+from tests.faults import SHORT, FaultyEngine
 from tiermem import OffloadError, tiered_offload
 from tiermem.errors import StoreError, TiermemError
 from tiermem.io.engine import create_engine
@@ -159,9 +159,10 @@ def test_the_handle_after_exit_is_a_clear_error(tmp_path) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind,k,err", [("write", 1, errno.EIO), ("write", 4, errno.ENOSPC), ("read", 2, errno.EIO),
-                                        ("read", 9, errno.EIO), ("write", 7, errno.EIO)])
+                                        ("read", 9, errno.EIO), ("write", 7, errno.EIO), ("read", 3, SHORT),
+                                        ("write", 2, SHORT)])
 def test_a_failed_transfer_during_training_loses_nothing(tmp_path, kind: str, k: int, err: int) -> None:
-    """One failed read or write during training: the step either goes on bit-exactly or raises a tiermem error
+    """One failed or short read or write during training: the step either goes on bit-exactly or raises a tiermem error
     after which training goes on; the context then leaves cleanly, giving every parameter back, and leaves no
     swap file or thread."""
     data = [torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]
