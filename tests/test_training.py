@@ -353,3 +353,40 @@ def test_a_kept_key_value_cache_is_named_when_training(tmp_path, caplog) -> None
                 pass
         named = [r for r in caplog.records if "model.config.use_cache = False" in r.getMessage()]
         assert len(named) == expected, (use_cache, [r.getMessage() for r in caplog.records])
+
+
+def test_an_optimizer_on_a_meta_device_model_trains_it_from_its_checkpoint(tmp_path) -> None:
+    """AdamW built on a model made on the meta device and streamed with checkpoint=: it ends up holding the
+    real parameters, and two clipped steps equal the same training of the model built in memory."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2LMHeadModel
+
+    ref = models.gpt2(layers=2, width=32, vocab=100)
+    ref.config.use_cache = False
+    ref.config.resid_pdrop = ref.config.embd_pdrop = ref.config.attn_pdrop = 0.0
+    for m in ref.modules():  # the modules were made with the old rates; the meta model is made with these
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    ref.save_pretrained(tmp_path / "hf")
+    data = [torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    ref.train()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for ids in data:
+        ref_opt.zero_grad()
+        ref(ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(ref.config).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, checkpoint=tmp_path / "hf" / "model.safetensors",
+                        restore_optimizer=True, **cfg(tmp_path, **{"memory.host_budget": "2MiB"})) as tm:
+        for ids in data:
+            tm.optimizer.zero_grad()
+            tm.backward(model(ids, labels=ids).loss)
+            tm.clip_grad_norm_(0.5)
+            tm.optimizer.step()
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+    for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert len(opt.state) == len(list(model.parameters()))

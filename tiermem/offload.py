@@ -310,7 +310,7 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
         try:
             _move_buffers(model, ckpt, swapper, moved)
             for index, up in enumerate(plan.units):
-                units.append(_pack_unit(index, up, swapper, ckpt, override, plan.aliases, holders))
+                units.append(_pack_unit(index, up, swapper, ckpt, override, plan.aliases, holders, optimizer))
         finally:
             if ckpt is not None:
                 ckpt.close()
@@ -352,7 +352,7 @@ def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | 
 
 def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, ckpt: SafetensorsCheckpoint | None,
                override: torch.dtype | None, aliases: dict[str, str],
-               holders: dict[int, list[tuple[nn.Module, str]]]) -> Unit:
+               holders: dict[int, list[tuple[nn.Module, str]]], optimizer: torch.optim.Optimizer | None) -> Unit:
     specs = _unit_specs(up, override)
 
     def fill(views: dict[str, torch.Tensor]) -> None:
@@ -364,14 +364,28 @@ def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, ckpt: Safetenso
 
     part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill)
     unit = Unit(index, up.name, list(up.params.items()), part, swapper.device)
+    replaced: dict[int, nn.Parameter] = {}
     for k, (fqn, p) in enumerate(unit.params):
         if p.is_meta:  # a meta tensor cannot take real storage through .data: give it a real Parameter
             real = nn.Parameter(unit.placeholders[k], requires_grad=p.requires_grad)
             for mod, attr in holders.get(id(p), []):
                 mod._parameters[attr] = real
             unit.params[k] = (fqn, real)
+            replaced[id(p)] = real
+    _swap_in_optimizer(optimizer, replaced)  # an optimizer built on the meta model now holds the real ones
     unit.unbind()  # the model's own storage for these parameters is dropped here, unit by unit
     return unit
+
+
+def _swap_in_optimizer(optimizer: torch.optim.Optimizer | None, replaced: dict[int, nn.Parameter]) -> None:
+    """Make `optimizer` hold the new Parameter objects in place of the ones they replaced (by id), in its param
+    groups and its state."""
+    if optimizer is None or not replaced:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for old in [p for p in optimizer.state if id(p) in replaced]:
+        optimizer.state[replaced[id(old)]] = optimizer.state.pop(old)
 
 
 def _checkpoint_name(fqn: str, ckpt: SafetensorsCheckpoint, aliases: dict[str, str]) -> str:
@@ -418,7 +432,8 @@ def _restore_buffers(moved: list[tuple[nn.Module, str, torch.device]]) -> None:
 def _unpack(handle: OffloadHandle, restore: bool) -> None:
     _restore_buffers(handle.runtime.moved_buffers)
     if not restore:
-        _to_meta(handle.model, handle.units)
+        made = _to_meta(handle.model, handle.units)
+        _swap_in_optimizer(handle.optimizer.original if handle.optimizer is not None else None, made)
         return
     failed = _restore_units(handle.model, handle.units, handle.swapper)
     if failed:
@@ -465,8 +480,9 @@ def _restore_unit(unit: Unit, swapper: TensorSwapper) -> None:
         swapper.release(unit.partition, tier="host")
 
 
-def _to_meta(model: nn.Module, units: list[Unit]) -> None:
-    """Replace every offloaded parameter with a meta-device Parameter of its shape (ties kept)."""
+def _to_meta(model: nn.Module, units: list[Unit]) -> dict[int, nn.Parameter]:
+    """Replace every offloaded parameter with a meta-device Parameter of its shape (ties kept); return the new
+    Parameters by the id of the ones they replaced."""
     shapes = {id(p): (shape, dtype) for u in units
               for (_, p), shape, (dtype, _) in zip(u.params, u.shapes, u.orig, strict=True)}
     made: dict[int, nn.Parameter] = {}
@@ -479,3 +495,4 @@ def _to_meta(model: nn.Module, units: list[Unit]) -> None:
                 made[id(p)] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
                                            requires_grad=p.requires_grad)
             mod._parameters[name] = made[id(p)]
+    return made
