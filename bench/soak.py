@@ -140,6 +140,20 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def thread_names() -> dict[str, int]:
+    """How many of this process's threads have each name (/proc/self/task/*/comm, the digits of a trailing
+    thread number dropped: io_uring's kernel workers are iou-wrk-<tid>)."""
+    names: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                name = f.read().strip().rstrip("0123456789")
+        except OSError:  # the thread ended meanwhile
+            continue
+        names[name] = names.get(name, 0) + 1
+    return dict(sorted(names.items()))
+
+
 def tree_sizes(path: str) -> tuple[int, int, int]:
     """(sum of st_size, sum of st_blocks * 512, number of files) over every file under `path`."""
     size = blocks = files = 0
@@ -240,7 +254,7 @@ def sample(tm: Any, step: int, swap_dir: str, budget_bytes: int) -> dict[str, An
     return {
         "step": step, "time": time.perf_counter(),
         "rss": st["VmRSS"], "hwm": st["VmHWM"], "fds": open_fds(),
-        "threads_python": threading.active_count(), "threads_os": st["Threads"],
+        "threads_python": threading.active_count(), "threads_os": st["Threads"], "thread_names": thread_names(),
         "pool_pinned": pool.nbytes if pool.pinned else 0, "vm_pin": st.get("VmPin"), "vm_lck": st.get("VmLck"),
         "host_now": stats["now_bytes"]["host"], "host_peak": stats["peak_bytes"]["host"],
         "nvme_now": stats["now_bytes"]["nvme"],
@@ -268,7 +282,7 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     }
     gen = torch.Generator().manual_seed(INPUT_SEED)
     before = {"fds": open_fds(), "threads_os": proc_status()["Threads"], "threads_python": threading.active_count(),
-              "rss": proc_status()["VmRSS"]}
+              "thread_names": thread_names(), "rss": proc_status()["VmRSS"]}
     step_seconds: list[float] = []
     losses: list[float] = []
     samples: list[dict[str, Any]] = []
@@ -321,6 +335,7 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
         steps_wall = time.perf_counter() - t_run
     st = proc_status()
     after = {"fds": open_fds(), "threads_os": st["Threads"], "threads_python": threading.active_count(),
+             "thread_names": thread_names(),
              "rss": st["VmRSS"], "swap_files_left": tree_sizes(swap_dir)[2],
              "entries_left": sorted(os.listdir(swap_dir))}
     return {"parameters": params, "overrides": overrides, "info": info, "samples": samples,

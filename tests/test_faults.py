@@ -114,10 +114,10 @@ def test_exit_restores_every_readable_unit_and_names_the_rest(tmp_path) -> None:
 
 
 def test_leaving_does_not_copy_the_optimizer_state_unless_asked(tmp_path, caplog) -> None:
-    """Exit needs no memory for the optimizer state: it stays behind with a warning that says how to keep it,
-    unless restore_optimizer=True copies it into the optimizer."""
+    """Exit needs no memory for the optimizer state: it stays behind with a warning that says how to keep it
+    (none when a checkpoint holds it as it is), unless restore_optimizer=True copies it into the optimizer."""
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
-    for restore_optimizer in (False, True):
+    for restore_optimizer, save in ((False, False), (True, False), (False, True)):
         model = models.gpt2(layers=2, width=32, vocab=100)
         model.config.use_cache = False
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -127,7 +127,11 @@ def test_leaving_does_not_copy_the_optimizer_state_unless_asked(tmp_path, caplog
                                 **cfg(tmp_path, **{"memory.host_budget": "4MiB"})) as tm:
                 tm.backward(model(ids, labels=ids).loss)
                 tm.optimizer.step()
-        if restore_optimizer:
+                if save:
+                    tm.save_checkpoint(tmp_path / "ckpt")
+        if save:
+            assert not opt.state and "optimizer state stays behind" not in caplog.text
+        elif restore_optimizer:
             assert len(opt.state) == sum(1 for _ in model.parameters())
             assert "optimizer state stays behind" not in caplog.text
         else:

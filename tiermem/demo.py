@@ -70,16 +70,21 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _peak_rss() -> int:
-    """Peak RSS since the last reset (VmHWM), else since the process started (ru_maxrss)."""
+def _status_kib(field: str) -> int:
+    """A KiB figure of /proc/self/status (0 where there is none)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return 0
+
+
+def _peak_rss() -> int:
+    """Peak RSS since the last reset (VmHWM), else since the process started (ru_maxrss)."""
+    return _status_kib("VmHWM") * 1024 or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _TokenProgress:
@@ -149,6 +154,7 @@ def run_training(args: argparse.Namespace) -> int:
         s = tm.stats()
         saved = tm.save_checkpoint(ckpt)
         _reset_peak_rss()
+        entry_rss = _status_kib("VmRSS") * 1024
     exit_rss = _peak_rss()  # leaving: the parameters come back; the optimizer state stays in its tier
     peak = s["peak_bytes"]
     steady = times[1:] or times
@@ -161,8 +167,8 @@ def run_training(args: argparse.Namespace) -> int:
     print(f"moved {format_size(moved / len(times))} per step (read {format_size(s['bytes_read'])}, written "
           f"{format_size(s['bytes_written'])} in all), stall {s['stall_seconds']:.2f} s")
     print(f"peak device {format_size(peak['device'])}, peak host {format_size(peak['host'])}, NVMe "
-          f"{format_size(peak['nvme'])}; peak RSS of this process during the steps {format_size(steps_rss)}, "
-          f"while leaving the context {format_size(exit_rss)}")
+          f"{format_size(peak['nvme'])}; peak RSS of this process during the steps {format_size(steps_rss)}; "
+          f"leaving the context took it from {format_size(entry_rss)} to a peak of {format_size(exit_rss)}")
     print(f"checkpoint written to {saved} (weights and optimizer state; the weights load with transformers' "
           "from_pretrained)")
     if not args.keep:

@@ -64,6 +64,7 @@ class OffloadHandle:
         self.config: Config = swapper.config
         self.optimizer = optimizer  # the stand-in for the optimizer passed in (None when not training)
         self.closed = False  # the context has ended: the parameters are ordinary tensors again, the swap is gone
+        self.saved: tuple[str, int] | None = None  # (path, optimizer progress) of the last checkpoint written
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -75,7 +76,9 @@ class OffloadHandle:
         from tiermem.checkpointing import save_checkpoint
 
         self._check_open("save_checkpoint")
-        return save_checkpoint(self, path, max_shard_bytes)
+        final = save_checkpoint(self, path, max_shard_bytes)
+        self.saved = (final, self.optimizer.progress() if self.optimizer is not None else 0)
+        return final
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Load what `save_checkpoint` wrote (weights, buffers, optimizer state and steps)."""
@@ -242,11 +245,13 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                     _undelegate(optimizer, patched)
                     if restore_optimizer and handle.optimizer is not None and optimizer is not None:
                         optimizer.load_state_dict(handle.optimizer.state_dict())  # training goes on outside
-                    elif handle.optimizer is not None and handle.optimizer.has_state():
+                    elif (handle.optimizer is not None and handle.optimizer.has_state()
+                          and (handle.saved is None or handle.saved[1] != handle.optimizer.progress())):
                         log.warning("leaving tiered_offload: the optimizer state stays behind (it lives in "
                                     "optimizer.tier and goes with the swap files); save it inside the context with "
                                     "tm.save_checkpoint(dir), or pass restore_optimizer=True to copy it into the "
-                                    "optimizer on exit")
+                                    "optimizer on exit%s", f" (the last checkpoint, {handle.saved[0]}, is older)"
+                                    if handle.saved is not None else "")
                     _unpack(handle, restore)
         finally:
             if handle is not None:

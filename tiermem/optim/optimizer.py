@@ -322,6 +322,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Whether any step has been taken (there is optimizer state worth keeping)."""
         return any(st.steps for st in self.units)
 
+    def progress(self) -> int:
+        """Steps taken, summed over parameters: changes whenever the state does (a checkpoint's freshness)."""
+        return sum(n for st in self.units for n in st.steps.values())
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients (the accumulators are overwritten by the next backward).
 
