@@ -371,9 +371,16 @@ class TensorSwapper:
         """
         _check_tier(tier)
         self.pump()
-        fut = None if tier == "device" and part.reached("device") else self._fetch_host(part, True)
+        fut = None
         with self._lock:
-            part.holders[tier] += 1  # counted before waiting, so eviction cannot take it from under us
+            there = tier == "device" and part.reached("device")
+            if there:  # held in the same breath, so nothing demotes it in between
+                part.holders[tier] += 1
+        if not there:
+            fut = self._fetch_host(part, True)
+            with self._lock:
+                part.holders[tier] += 1  # counted before waiting, so eviction cannot take it from under us
+        with self._lock:
             part.prefetched = False
         try:
             if before_wait is not None:
