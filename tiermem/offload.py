@@ -450,7 +450,9 @@ def _restore_units(model: nn.Module, units: list[Unit], swapper: TensorSwapper) 
     names of the parameters that could not be restored (made meta-device Parameters, shapes kept), with why."""
     failed: dict[str, BaseException] = {}
     lost: list[Unit] = []
-    for unit in units:
+    # the units in host memory first: reading the others may evict them, and a failing drive could not give
+    # an evicted one back
+    for unit in sorted(units, key=lambda u: not swapper.holds_host(u.partition)):
         try:
             _restore_unit(unit, swapper)
         except Exception as exc:  # noqa: BLE001 - reported below, with every other unit's
