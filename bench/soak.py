@@ -20,17 +20,27 @@ and come back in backward. wrap.min_unit_bytes is lowered from its 1 MiB default
 0.79 MB transformer blocks is a unit of its own; with the default the whole model is one or two units, and
 the budget would have to hold all of it.
 
+Before entry the script runs one forward without autograd on a batch of zeros (the weights are not
+changed and the token generator is not used): PyTorch starts a thread of its own at its first parallel
+operator, and this way the thread count before entry already has it.
+
 Once after entering the context (step 0) and then every --every steps (and after the last), the script
 samples:
   rss                VmRSS of /proc/self/status
   fds                len(os.listdir('/proc/self/fd'))
   threads_python     threading.active_count()
   threads_os         Threads of /proc/self/status (every thread of the process, native ones included)
+  io_wq_workers      how many of those are io_uring's io-wq workers (/proc/self/task/*/comm "iou-wrk-<n>"):
+                     threads the kernel starts for requests it cannot issue without blocking and ends
+                     once idle
+  threads_own        threads_os less io_wq_workers
   pool_pinned        the host pool's size if tm.swapper.pool.pinned (page-locked for CUDA), else 0; on a
                      CPU compute device it is never pinned, so this is 0 throughout
   vm_pin             VmPin of /proc/self/status: pages the kernel holds pinned for the process (io_uring's
                      registered buffers count here)
   host_now           tm.stats()['now_bytes']['host'], the ledger's host bytes held now
+  pool_largest_free  the largest free piece of the host pool (a private attribute; shown, not judged): a
+                     partition needs one piece, so this says how fragmented the pool is between steps
   swap_size          the sum of st_size over every file under the swap directory (os.walk, lstat)
   swap_allocated     the sum of st_blocks * 512 over the same files (the disk space they take)
   swap_files         how many files there are
@@ -43,16 +53,24 @@ At the end each series is fitted with a least-squares line over the second half 
 after step --steps / 2; the first half is warm-up), and its slope is reported per 1000 steps with the
 first and the last value. A series is flat when:
   rss                the fitted slope is below RSS_SLOPE_LIMIT (20 MB per 1000 steps)
-  fds, threads_python, threads_os, pool_pinned, vm_pin, swap_size, swap_allocated, swap_files
+  fds, threads_python, threads_own, pool_pinned, vm_pin, swap_size, swap_allocated, swap_files
                      it takes one value over the whole second half (max == min)
-  host_now           the fitted slope is below HOST_SLOPE_LIMIT (64 KiB per 1000 steps) and no sample is
-                     above the host budget
+  io_wq_workers, threads_os
+                     the fitted slope is within +-IO_WQ_SLOPE_LIMIT (0.5 threads per 1000 steps): the
+                     kernel's workers come and go, so these are judged for a trend, not for one value
+  host_now           the fitted slope is below HOST_SLOPE_LIMIT (256 KiB per 1000 steps) and no sample is
+                     above the host budget (which of the units are in memory at a sample varies with the
+                     timing of the I/O, by up to a unit)
   read_per_step, written_per_step
-                     the fitted slope is below RELATIVE_LIMIT (1%) of the series' second-half mean per 1000
-                     steps
-  step_seconds       the same with STEP_TIME_LIMIT (10%); the machine is shared, so this one is a hint
+                     the fitted slope is below RELATIVE_LIMIT (2%) of the series' second-half mean per 1000
+                     steps (which units a step finds in memory varies with the timing of the I/O)
+  step_seconds       the same with STEP_TIME_LIMIT (10%); the machine is shared, so this one is a hint and
+                     left out of the verdict
 The loss is shown, not judged. After the context is left the script also checks that the open descriptors
-and the OS threads are back to their count before entry and that the swap directory is empty.
+and the threads (io-wq workers aside) are back to their count before entry and that the swap directory is
+empty; then it drops the handle (del tm; gc.collect()) and reads RSS, descriptors and threads once more.
+A step that raises ends the steps: the error and its step go into the output, and the rest is reported
+over the samples taken before it. The exit status is 0 when every judged series was flat and those checks held, else 1.
 
     python3 bench/soak.py                          # 2000 steps; bench/results/soak.json and soak.png
     python3 bench/soak.py --quick                  # 100 steps, outputs under /tmp unless --json/--plot
@@ -63,6 +81,7 @@ GB = 1e9 bytes; MB = 1e6 bytes; KiB = 2**10 bytes; MiB = 2**20 bytes.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata
 import math
 import os
@@ -73,6 +92,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from typing import Any
 
 from _common import (  # bench/ is on sys.path when run as a script
@@ -97,26 +117,31 @@ ADAMW: dict[str, Any] = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter + gradient + exp_avg + exp_avg_sq
 # Flatness thresholds over the second half (see the docstring)
 RSS_SLOPE_LIMIT = 20 * 10**6  # bytes per 1000 steps
-HOST_SLOPE_LIMIT = 64 * 1024  # bytes per 1000 steps
-RELATIVE_LIMIT = 0.01  # of the series' mean, per 1000 steps
+HOST_SLOPE_LIMIT = 256 * 1024  # bytes per 1000 steps
+IO_WQ_SLOPE_LIMIT = 0.5  # threads per 1000 steps
+RELATIVE_LIMIT = 0.02  # of the series' mean, per 1000 steps
 STEP_TIME_LIMIT = 0.10  # of the mean step time, per 1000 steps
+IO_WQ_PREFIX = "iou-wrk-"  # io_uring's kernel workers: threads of this process that the kernel starts and ends
 
 
-# name, label, unit for the table, divisor for that unit, criterion
+# name, label, unit for the table, divisor for that unit, criterion (see summarize)
 SERIES: tuple[tuple[str, str, str, float, str], ...] = (
-    ("rss", "RSS (VmRSS)", "MB", 1e6, "slope"),
+    ("rss", "RSS (VmRSS)", "MB", 1e6, "rss"),
     ("fds", "open descriptors", "", 1, "constant"),
     ("threads_python", "threads (threading)", "", 1, "constant"),
-    ("threads_os", "threads (/proc Threads)", "", 1, "constant"),
+    ("threads_own", "threads less io-wq workers", "", 1, "constant"),
+    ("io_wq_workers", "io_uring io-wq workers", "", 1, "threads_trend"),
+    ("threads_os", "threads (/proc Threads)", "", 1, "threads_trend"),
     ("pool_pinned", "pool pinned for CUDA", "MB", 1e6, "constant"),
     ("vm_pin", "VmPin (kernel-pinned)", "MB", 1e6, "constant"),
     ("host_now", "ledger host now", "MB", 1e6, "host"),
+    ("pool_largest_free", "pool's largest free piece", "MB", 1e6, "none"),
     ("swap_size", "swap files st_size", "MB", 1e6, "constant"),
     ("swap_allocated", "swap files allocated", "MB", 1e6, "constant"),
     ("swap_files", "swap files", "", 1, "constant"),
     ("read_per_step", "read per step", "MB", 1e6, "relative"),
     ("written_per_step", "written per step", "MB", 1e6, "relative"),
-    ("step_seconds", "step time", "s", 1, "step_time"),
+    ("step_seconds", "step time", "s", 1, "hint"),
     ("loss", "loss", "", 1, "none"),
 )
 
@@ -152,6 +177,13 @@ def thread_names() -> dict[str, int]:
             continue
         names[name] = names.get(name, 0) + 1
     return dict(sorted(names.items()))
+
+
+def pool_largest_free(pool: Any) -> int | None:
+    """The largest free piece of tiermem's host pool (a private attribute, read for diagnosis only): a
+    partition needs one piece, so this, not the free total, says whether the next one fits."""
+    free = getattr(pool, "_free", None)
+    return free.largest() if free is not None and hasattr(free, "largest") else None
 
 
 def tree_sizes(path: str) -> tuple[int, int, int]:
@@ -212,23 +244,27 @@ def summarize(samples: list[dict[str, Any]], half: int, host_budget: int) -> dic
             "slope_per_1000_steps": per_1000,
             "fitted_growth_over_second_half": None if slope is None else slope * span,
         }
+        flat: bool | None = None
         if per_1000 is None or not ys:
-            flat, limit = None, None
+            limit = None
         elif criterion == "constant":
             flat, limit = max(ys) == min(ys), "one value over the second half"
-        elif criterion == "slope":
+        elif criterion == "rss":
             flat, limit = per_1000 < RSS_SLOPE_LIMIT, f"slope < {RSS_SLOPE_LIMIT / 1e6:.0f} MB per 1000 steps"
+        elif criterion == "threads_trend":
+            flat = abs(per_1000) < IO_WQ_SLOPE_LIMIT
+            limit = f"|slope| < {IO_WQ_SLOPE_LIMIT} threads per 1000 steps (io-wq workers come and go)"
         elif criterion == "host":
             flat = per_1000 < HOST_SLOPE_LIMIT and max(v for _, v in pts) <= host_budget
             limit = f"slope < {HOST_SLOPE_LIMIT // 1024} KiB per 1000 steps, never above the host budget"
         elif criterion == "relative":
             flat = per_1000 < RELATIVE_LIMIT * (mean or 0) or (per_1000 <= 0 and mean == 0)
             limit = f"slope < {RELATIVE_LIMIT:.0%} of the mean per 1000 steps"
-        elif criterion == "step_time":
-            flat, limit = per_1000 < STEP_TIME_LIMIT * (mean or 0), \
-                f"slope < {STEP_TIME_LIMIT:.0%} of the mean per 1000 steps"
+        elif criterion == "hint":  # the machine is shared: a hint, left out of the verdict
+            flat = per_1000 < STEP_TIME_LIMIT * (mean or 0)
+            limit = f"slope < {STEP_TIME_LIMIT:.0%} of the mean per 1000 steps; a hint, not judged"
         else:
-            flat, limit = None, "not judged"
+            limit = "not judged"
         rec["flat"], rec["limit"] = flat, limit
         out[name] = rec
     return out
@@ -248,15 +284,19 @@ def build_model(args: argparse.Namespace) -> Any:
 
 def sample(tm: Any, step: int, swap_dir: str, budget_bytes: int) -> dict[str, Any]:
     st = proc_status()
+    names = thread_names()
+    io_wq = names.get(IO_WQ_PREFIX, 0)
     stats = tm.stats()
     pool = tm.swapper.pool
     size, allocated, files = tree_sizes(swap_dir)
     return {
         "step": step, "time": time.perf_counter(),
         "rss": st["VmRSS"], "hwm": st["VmHWM"], "fds": open_fds(),
-        "threads_python": threading.active_count(), "threads_os": st["Threads"], "thread_names": thread_names(),
+        "threads_python": threading.active_count(), "threads_os": st["Threads"], "thread_names": names,
+        "io_wq_workers": io_wq, "threads_own": st["Threads"] - io_wq,
         "pool_pinned": pool.nbytes if pool.pinned else 0, "vm_pin": st.get("VmPin"), "vm_lck": st.get("VmLck"),
         "host_now": stats["now_bytes"]["host"], "host_peak": stats["peak_bytes"]["host"],
+        "pool_largest_free": pool_largest_free(pool),
         "nvme_now": stats["now_bytes"]["nvme"],
         "swap_size": size, "swap_allocated": allocated, "swap_files": files,
         "bytes_read_total": stats["bytes_read"], "bytes_written_total": stats["bytes_written"],
@@ -264,6 +304,14 @@ def sample(tm: Any, step: int, swap_dir: str, budget_bytes: int) -> dict[str, An
         "activations_kept_bytes_total": stats.get("activations_kept_bytes"),
         "activations_saved_bytes_total": stats.get("activations_saved_bytes"),
     }
+
+
+def after_state(swap_dir: str) -> dict[str, Any]:
+    """What the process holds after the context: descriptors, threads, RSS, anything left in the swap directory."""
+    st = proc_status()
+    return {"fds": open_fds(), "threads_os": st["Threads"], "threads_python": threading.active_count(),
+            "thread_names": thread_names(), "rss": st["VmRSS"], "swap_files_left": tree_sizes(swap_dir)[2],
+            "entries_left": sorted(os.listdir(swap_dir))}
 
 
 def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
@@ -281,16 +329,22 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
         "wrap.min_unit_bytes": args.min_unit_bytes, "nvme.paths": [swap_dir],
     }
     gen = torch.Generator().manual_seed(INPUT_SEED)
+    # PyTorch starts a thread of its own at the first parallel operator; one forward without autograd (the
+    # weights untouched, the token generator unused) starts it before entry, so that the thread count after
+    # exit is compared with one that already has it
+    with torch.no_grad():
+        model(torch.zeros(args.batch, args.seq, dtype=torch.long))
     before = {"fds": open_fds(), "threads_os": proc_status()["Threads"], "threads_python": threading.active_count(),
               "thread_names": thread_names(), "rss": proc_status()["VmRSS"]}
     step_seconds: list[float] = []
     losses: list[float] = []
     samples: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
+    failure: dict[str, Any] | None = None
     t_run = time.perf_counter()
     with tiermem.tiered_offload(model, optimizer=opt, **overrides) as tm:
-        info = {"units": len(tm.units), "unit_bytes": [u.nbytes for u in tm.units], "pool_bytes": tm.swapper.pool.nbytes,
-                "engine": tm.swapper.engine.name,
+        info = {"units": len(tm.units), "unit_bytes": [u.nbytes for u in tm.units],
+                "pool_bytes": tm.swapper.pool.nbytes, "engine": tm.swapper.engine.name,
                 "cpu_allocator": "tiermem" if tiermem.memory.cpu_allocator_installed() else "torch"}
         run_dirs = sorted(os.listdir(swap_dir))
         info["run_directories"] = run_dirs
@@ -299,48 +353,55 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
               f"swap {os.path.join(swap_dir, *run_dirs[:1])}", flush=True)
         samples.append({**sample(tm, 0, swap_dir, args.host_budget_bytes), "others_cores": None})
         busy0, cpu0 = cpu_busy_seconds(), time.process_time()
-        for step in range(1, args.steps + 1):
-            ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-            t0 = time.perf_counter()
-            tm.optimizer.zero_grad()
-            loss = model(ids, labels=ids).loss
-            tm.backward(loss)
-            tm.optimizer.step()
-            step_seconds.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
-            if not math.isfinite(losses[-1]):
-                raise RuntimeError(f"step {step}: the loss is {losses[-1]}")
-            if step % args.every == 0 or step == args.steps:
-                s = sample(tm, step, swap_dir, args.host_budget_bytes)
-                prev = samples[-1]
-                n = step - prev["step"]
-                busy1, cpu1 = cpu_busy_seconds(), time.process_time()
-                wall = s["time"] - prev["time"]
-                s["read_per_step"] = (s["bytes_read_total"] - prev["bytes_read_total"]) / n
-                s["written_per_step"] = (s["bytes_written_total"] - prev["bytes_written_total"]) / n
-                s["step_seconds"] = statistics.fmean(step_seconds[-n:])
-                s["loss"] = statistics.fmean(losses[-n:])
-                s["others_cores"] = (max(0.0, busy1 - busy0 - (cpu1 - cpu0)) / wall
-                                     if busy0 is not None and busy1 is not None and wall > 0 else None)
-                busy0, cpu0 = busy1, cpu1
-                samples.append(s)
-                if step % (args.every * args.print_every) == 0 or step == args.steps:
-                    print(f"  step {step:>5}: RSS {s['rss'] / 1e6:7.1f} MB, fds {s['fds']}, threads "
-                          f"{s['threads_python']}/{s['threads_os']}, host {s['host_now'] / 1e6:.2f} MB, swap "
-                          f"{s['swap_size'] / 1e6:.1f} MB ({s['swap_allocated'] / 1e6:.1f} allocated), "
-                          f"read/written {s['read_per_step'] / 1e6:.1f}/{s['written_per_step'] / 1e6:.1f} MB per "
-                          f"step, {s['step_seconds']:.3f} s/step, loss {s['loss']:.4f}, others "
-                          f"{s['others_cores'] if s['others_cores'] is not None else float('nan'):.2f} cores",
-                          flush=True)
+        step = 0
+        try:
+            for step in range(1, args.steps + 1):
+                ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+                t0 = time.perf_counter()
+                tm.optimizer.zero_grad()
+                loss = model(ids, labels=ids).loss
+                tm.backward(loss)
+                tm.optimizer.step()
+                step_seconds.append(time.perf_counter() - t0)
+                losses.append(float(loss.detach()))
+                if not math.isfinite(losses[-1]):
+                    raise RuntimeError(f"step {step}: the loss is {losses[-1]}")
+                if step % args.every == 0 or step == args.steps:
+                    s = sample(tm, step, swap_dir, args.host_budget_bytes)
+                    prev = samples[-1]
+                    n = step - prev["step"]
+                    busy1, cpu1 = cpu_busy_seconds(), time.process_time()
+                    wall = s["time"] - prev["time"]
+                    s["read_per_step"] = (s["bytes_read_total"] - prev["bytes_read_total"]) / n
+                    s["written_per_step"] = (s["bytes_written_total"] - prev["bytes_written_total"]) / n
+                    s["step_seconds"] = statistics.fmean(step_seconds[-n:])
+                    s["loss"] = statistics.fmean(losses[-n:])
+                    s["others_cores"] = (max(0.0, busy1 - busy0 - (cpu1 - cpu0)) / wall
+                                         if busy0 is not None and busy1 is not None and wall > 0 else None)
+                    busy0, cpu0 = busy1, cpu1
+                    samples.append(s)
+                    if step % (args.every * args.print_every) == 0 or step == args.steps:
+                        print(f"  step {step:>5}: RSS {s['rss'] / 1e6:7.1f} MB, fds {s['fds']}, threads "
+                              f"{s['threads_python']}/{s['threads_os']}, host {s['host_now'] / 1e6:.2f} MB, swap "
+                              f"{s['swap_size'] / 1e6:.1f} MB ({s['swap_allocated'] / 1e6:.1f} allocated), "
+                              f"read/written {s['read_per_step'] / 1e6:.1f}/{s['written_per_step'] / 1e6:.1f} MB per "
+                              f"step, {s['step_seconds']:.3f} s/step, loss {s['loss']:.4f}, others "
+                              f"{s['others_cores'] if s['others_cores'] is not None else float('nan'):.2f} cores",
+                              flush=True)
+        except Exception as exc:  # a soak that fails says at which step and why, and still reports what it saw
+            failure = {"step": step, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            print(f"  FAILED at step {step}: {failure['error']}", flush=True)
         steps_wall = time.perf_counter() - t_run
-    st = proc_status()
-    after = {"fds": open_fds(), "threads_os": st["Threads"], "threads_python": threading.active_count(),
-             "thread_names": thread_names(),
-             "rss": st["VmRSS"], "swap_files_left": tree_sizes(swap_dir)[2],
-             "entries_left": sorted(os.listdir(swap_dir))}
+    after = after_state(swap_dir)
+    # the handle keeps the closed swapper, and through it views of the host pool, whose mapping is then
+    # not unmapped at exit (see docs/benchmarks.md); drop it and measure again
+    del tm
+    gc.collect()
+    released = after_state(swap_dir)
     return {"parameters": params, "overrides": overrides, "info": info, "samples": samples,
             "step_seconds": step_seconds, "losses": losses, "before_entry": before, "after_exit": after,
-            "run_seconds": steps_wall, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "after_release": released, "failure": failure, "run_seconds": steps_wall,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 # -- output -------------------------------------------------------------------------------------------
@@ -379,7 +440,9 @@ def plot(path: str, samples: list[dict[str, Any]], losses: list[float], summary:
     panels = [  # (title, unit divisor, unit, [(series, label)])
         ("RSS", 1e6, "MB", [("rss", "VmRSS")]),
         ("open descriptors", 1, "count", [("fds", "/proc/self/fd")]),
-        ("threads", 1, "count", [("threads_os", "/proc Threads"), ("threads_python", "threading.active_count()")]),
+        ("threads", 1, "count", [("threads_os", "/proc Threads"), ("threads_own", "less io-wq workers"),
+                                 ("io_wq_workers", "io_uring io-wq workers"),
+                                 ("threads_python", "threading.active_count()")]),
         ("pinned and host bytes", 1e6, "MB", [("host_now", "ledger host now"), ("vm_pin", "VmPin"),
                                               ("pool_pinned", "pool pinned for CUDA")]),
         ("swap files under the swap directory", 1e6, "MB", [("swap_size", "st_size"),
@@ -396,21 +459,30 @@ def plot(path: str, samples: list[dict[str, Any]], losses: list[float], summary:
             pts = [(s["step"], s[name] / div) for s in samples if s.get(name) is not None]
             if not pts:
                 continue
-            line, = ax.plot(*zip(*pts), marker=".", ms=3, lw=1, label=label)
-            r = summary[name]
-            slope = r["slope_per_1000_steps"]
+            steps, values = zip(*pts, strict=True)
+            slope = summary[name]["slope_per_1000_steps"]
+            tag = "" if slope is None or name == "loss" else f" (fit {slope / div:+.3g} {unit}/1000 steps)"
+            line, = ax.plot(steps, values, marker=".", ms=3, lw=1, label=label + tag)
             late = [(x, y) for x, y in pts if x > half]
-            if slope is not None and late and name != "loss":
+            if tag and late:
                 xs = [x for x, _ in late]
                 mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in late)
                 fit = [my + slope / 1000 / div * (x - mx) for x in (xs[0], xs[-1])]
-                ax.plot((xs[0], xs[-1]), fit, ls="--", color=line.get_color(), lw=1.5,
-                        label=f"fit: {slope / div:+.3g} {unit}/1000 steps")
+                ax.plot((xs[0], xs[-1]), fit, ls="--", color="black", lw=1)
+        if ptitle.startswith("step time"):
+            others = [(s["step"], s["others_cores"]) for s in samples if s.get("others_cores") is not None]
+            if others:
+                ax2 = ax.twinx()
+                ax2.plot(*zip(*others, strict=True), color="tab:red", lw=0.8, alpha=0.6)
+                ax2.set_ylabel("other processes' CPU (cores)", color="tab:red", fontsize=8)
+                ax2.tick_params(axis="y", colors="tab:red", labelsize=8)
+                ax2.set_ylim(0, max(2.0, max(v for _, v in others)))
         ax.axvspan(0, half, color="0.93", zorder=0)
         ax.set_title(ptitle, fontsize=10)
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
         if ptitle in ("open descriptors", "threads", "swap files under the swap directory", "pinned and host bytes"):
             lo, hi = ax.get_ylim()
             if hi - lo < 1e-9 or (hi - lo) < 0.02 * max(abs(hi), 1):  # a constant: show it as a flat line, not noise
@@ -419,7 +491,8 @@ def plot(path: str, samples: list[dict[str, Any]], losses: list[float], summary:
                 ax.set_ylim(mid - pad, mid + pad)
     for ax in axes[-1]:
         ax.set_xlabel("step")
-    fig.suptitle(title + "\n(grey: first half, warm-up; dashed: least-squares fit over the second half)", fontsize=11)
+    fig.suptitle(title + "\n(grey: first half, warm-up; dashed black: least-squares fit over the second half; "
+                 "step time: red, other processes' CPU)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -439,7 +512,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=1000, help="vocabulary size (default 1000)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence and n_positions (default 64)")
     p.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
-    p.add_argument("--host-budget", default="8MiB", help="memory.host_budget (default 8MiB)")
+    p.add_argument("--host-budget", default="10MiB", help="memory.host_budget (default 10MiB; see docs/benchmarks.md "
+                   "for what 8MiB did)")
     p.add_argument("--activations-buffer", default="1MiB", help="activations.buffer, part of the host budget "
                    "(default 1MiB)")
     p.add_argument("--activations-min-bytes", default="16KiB", help="activations.min_bytes (default 16KiB)")
@@ -519,24 +593,38 @@ def main(argv: list[str]) -> int:
     summary = summarize(out["samples"], half, args.host_budget_bytes)
     print_summary(summary, half, args.steps)
     before, after = out["before_entry"], out["after_exit"]
-    exit_ok = {"fds": after["fds"] == before["fds"], "threads_os": after["threads_os"] == before["threads_os"],
+    own = {k: d["threads_os"] - d["thread_names"].get(IO_WQ_PREFIX, 0)
+           for k, d in (("before", before), ("after", after))}
+    exit_ok = {"fds": after["fds"] == before["fds"], "threads_less_io_wq": own["after"] == own["before"],
                "swap_directory_empty": not after["entries_left"]}
-    print(f"\nafter exit: fds {after['fds']} (before entry {before['fds']}), OS threads {after['threads_os']} "
-          f"(before {before['threads_os']}), Python threads {after['threads_python']} (before "
+    print(f"\nafter exit: fds {after['fds']} (before entry {before['fds']}), threads less io-wq workers {own['after']} "
+          f"(before {own['before']}), Python threads {after['threads_python']} (before "
           f"{before['threads_python']}), RSS {after['rss'] / 1e6:.1f} MB (before {before['rss'] / 1e6:.1f}), swap "
-          f"directory {'empty' if exit_ok['swap_directory_empty'] else 'NOT empty: ' + ', '.join(after['entries_left'])}")
+          "directory " + ("empty" if exit_ok["swap_directory_empty"]
+                          else "NOT empty: " + ", ".join(after["entries_left"])))
+    released = out["after_release"]
+    print(f"after dropping the handle (del tm; gc.collect()): RSS {released['rss'] / 1e6:.1f} MB, fds "
+          f"{released['fds']}, threads {released['threads_os']}")
     late = [t for i, t in enumerate(out["step_seconds"], 1) if i > half]
+    late_time = {"mean": statistics.fmean(late), "std": statistics.pstdev(late)} if late else None
     others = [s["others_cores"] for s in out["samples"] if s.get("others_cores") is not None]
-    judged = [r["flat"] for r in summary.values() if r["flat"] is not None]
+    judged = [r["flat"] for r in summary.values() if r["flat"] is not None and r["criterion"] != "hint"]
+    failure = out["failure"]
     system["loadavg_end"] = os.getloadavg()
     wall = time.perf_counter() - t_start
-    print(f"second-half step time {statistics.fmean(late):.3f} ± {statistics.pstdev(late):.3f} s; other processes "
-          f"{statistics.fmean(others):.2f} cores on average (max {max(others):.2f} in a window); "
-          f"{sum(judged)} of {len(judged)} judged series flat; steps took {out['run_seconds']:.0f} s, "
+    if args.quick:
+        print("(--quick: the second half is too short for its slopes to mean much; this checks that the script runs)")
+    if failure:
+        print(f"\nFAILED at step {failure['step']} of {args.steps}: {failure['error']}")
+    print((f"second-half step time {late_time['mean']:.3f} ± {late_time['std']:.3f} s; " if late_time else "")
+          + (f"other processes {statistics.fmean(others):.2f} cores on average (max {max(others):.2f} in a window); "
+             if others else "")
+          + f"{sum(judged)} of {len(judged)} judged series flat; steps took {out['run_seconds']:.0f} s, "
           f"whole run {wall:.0f} s")
 
     title = (f"tiermem soak: GPT-2 {args.layers}x{args.width}, {args.steps} steps, host budget {args.host_budget}, "
-             f"every tier but grads on NVMe (tiermem {(system['tiermem_tree']['commit'] or '?')[:7]})")
+             f"every tier but grads on NVMe (tiermem {(system['tiermem_tree']['commit'] or '?')[:7]})"
+             + (f"; FAILED at step {failure['step']}" if failure else ""))
     os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
     plot(args.plot, out["samples"], out["losses"], summary, half, title)
     report = {
@@ -560,8 +648,10 @@ def main(argv: list[str]) -> int:
         "all_judged_flat": all(judged),
         "before_entry": before,
         "after_exit": {**after, "checks": exit_ok},
-        "second_half_step_seconds": {"mean": statistics.fmean(late), "std": statistics.pstdev(late)},
-        "others_cores_mean": statistics.fmean(others),
+        "after_release": out["after_release"],
+        "failure": failure,
+        "second_half_step_seconds": late_time,
+        "others_cores_mean": statistics.fmean(others) if others else None,
         "peak_rss_bytes": out["peak_rss_bytes"],
         "samples": out["samples"],
         "step_seconds": out["step_seconds"],
@@ -571,7 +661,7 @@ def main(argv: list[str]) -> int:
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     write_json(args.json, report)
-    return 0 if all(judged) and all(exit_ok.values()) else 1
+    return 0 if not failure and all(judged) and all(exit_ok.values()) else 1
 
 
 if __name__ == "__main__":
