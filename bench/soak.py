@@ -68,7 +68,9 @@ first and the last value. A series is flat when:
                      left out of the verdict
 The loss is shown, not judged. After the context is left the script also checks that the open descriptors
 and the threads (io-wq workers aside) are back to their count before entry and that the swap directory is
-empty; then it drops the handle (del tm; gc.collect()) and reads RSS, descriptors and threads once more.
+empty (a joined thread leaves the kernel's task list a moment after Python sees it end, and io-wq workers
+end on their own once the ring is closed, so it waits up to EXIT_SETTLE_S, 2 s, for the threads); then
+it drops the handle (del tm; gc.collect()) and reads RSS, descriptors and threads once more.
 A step that raises ends the steps: the error and its step go into the output, and the rest is reported
 over the samples taken before it. The exit status is 0 when every judged series was flat and those checks held, else 1.
 
@@ -121,6 +123,7 @@ HOST_SLOPE_LIMIT = 256 * 1024  # bytes per 1000 steps
 IO_WQ_SLOPE_LIMIT = 0.5  # threads per 1000 steps
 RELATIVE_LIMIT = 0.02  # of the series' mean, per 1000 steps
 STEP_TIME_LIMIT = 0.10  # of the mean step time, per 1000 steps
+EXIT_SETTLE_S = 2.0  # how long the exit check waits for threads to leave
 IO_WQ_PREFIX = "iou-wrk-"  # io_uring's kernel workers: threads of this process that the kernel starts and ends
 
 
@@ -282,7 +285,8 @@ def build_model(args: argparse.Namespace) -> Any:
     return GPT2LMHeadModel(cfg).train()
 
 
-def sample(tm: Any, step: int, swap_dir: str, budget_bytes: int) -> dict[str, Any]:
+def sample(tm: Any, step: int, swap_dir: str) -> dict[str, Any]:
+    """One sample of what the process and tiermem hold now (see the docstring)."""
     st = proc_status()
     names = thread_names()
     io_wq = names.get(IO_WQ_PREFIX, 0)
@@ -334,8 +338,9 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     # exit is compared with one that already has it
     with torch.no_grad():
         model(torch.zeros(args.batch, args.seq, dtype=torch.long))
-    before = {"fds": open_fds(), "threads_os": proc_status()["Threads"], "threads_python": threading.active_count(),
-              "thread_names": thread_names(), "rss": proc_status()["VmRSS"]}
+    before: dict[str, Any] = {"fds": open_fds(), "threads_os": proc_status()["Threads"],
+                              "threads_python": threading.active_count(), "thread_names": thread_names(),
+                              "rss": proc_status()["VmRSS"]}
     step_seconds: list[float] = []
     losses: list[float] = []
     samples: list[dict[str, Any]] = []
@@ -351,7 +356,7 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
         print(f"  entered: {len(tm.units)} units ({', '.join(format_size(b) for b in info['unit_bytes'])}), host pool "
               f"{format_size(info['pool_bytes'])}, engine {info['engine']}, CPU allocator {info['cpu_allocator']}, "
               f"swap {os.path.join(swap_dir, *run_dirs[:1])}", flush=True)
-        samples.append({**sample(tm, 0, swap_dir, args.host_budget_bytes), "others_cores": None})
+        samples.append({**sample(tm, 0, swap_dir), "others_cores": None})
         busy0, cpu0 = cpu_busy_seconds(), time.process_time()
         step = 0
         try:
@@ -367,7 +372,7 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
                 if not math.isfinite(losses[-1]):
                     raise RuntimeError(f"step {step}: the loss is {losses[-1]}")
                 if step % args.every == 0 or step == args.steps:
-                    s = sample(tm, step, swap_dir, args.host_budget_bytes)
+                    s = sample(tm, step, swap_dir)
                     prev = samples[-1]
                     n = step - prev["step"]
                     busy1, cpu1 = cpu_busy_seconds(), time.process_time()
@@ -393,6 +398,15 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
             print(f"  FAILED at step {step}: {failure['error']}", flush=True)
         steps_wall = time.perf_counter() - t_run
     after = after_state(swap_dir)
+    # A thread that has finished in Python (joined) leaves the kernel's task list a moment later, and io-wq
+    # workers end on their own once the ring is closed: wait (at most EXIT_SETTLE_S) for the count to settle
+    t_exit = time.perf_counter()
+    own_before = before["threads_os"] - before["thread_names"].get(IO_WQ_PREFIX, 0)
+    while (after["threads_os"] - after["thread_names"].get(IO_WQ_PREFIX, 0) != own_before
+           or after["thread_names"].get(IO_WQ_PREFIX, 0)) and time.perf_counter() - t_exit < EXIT_SETTLE_S:
+        time.sleep(0.01)
+        after = after_state(swap_dir)
+    after["settle_seconds"] = time.perf_counter() - t_exit
     # the handle keeps the closed swapper, and through it views of the host pool, whose mapping is then
     # not unmapped at exit (see docs/benchmarks.md); drop it and measure again
     del tm
@@ -597,9 +611,10 @@ def main(argv: list[str]) -> int:
            for k, d in (("before", before), ("after", after))}
     exit_ok = {"fds": after["fds"] == before["fds"], "threads_less_io_wq": own["after"] == own["before"],
                "swap_directory_empty": not after["entries_left"]}
-    print(f"\nafter exit: fds {after['fds']} (before entry {before['fds']}), threads less io-wq workers {own['after']} "
-          f"(before {own['before']}), Python threads {after['threads_python']} (before "
-          f"{before['threads_python']}), RSS {after['rss'] / 1e6:.1f} MB (before {before['rss'] / 1e6:.1f}), swap "
+    print(f"\nafter exit: fds {after['fds']} (before entry {before['fds']}), threads less io-wq workers "
+          f"{own['after']} (before {own['before']}; {after['settle_seconds'] * 1e3:.0f} ms after exit), Python "
+          f"threads {after['threads_python']} (before {before['threads_python']}), RSS {after['rss'] / 1e6:.1f} MB "
+          f"(before {before['rss'] / 1e6:.1f}), swap "
           "directory " + ("empty" if exit_ok["swap_directory_empty"]
                           else "NOT empty: " + ", ".join(after["entries_left"])))
     released = out["after_release"]
