@@ -104,6 +104,8 @@ from _common import (  # bench/ is on sys.path when run as a script
     tiermem_tree,
     write_json,
 )
+from infer_offload import cpu_busy_seconds  # the same measures as the other benches
+from train_offload import model_info
 
 from tiermem.benchmark import system_info
 from tiermem.sizes import format_size, parse_size
@@ -202,16 +204,6 @@ def tree_sizes(path: str) -> tuple[int, int, int]:
             blocks += st.st_blocks * 512
             files += 1
     return size, blocks, files
-
-
-def cpu_busy_seconds() -> float | None:
-    """Seconds the machine's CPUs were busy since boot, all processes together (from /proc/stat)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the fit ------------------------------------------------------------------------------------------
@@ -559,16 +551,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     return args
-
-
-def model_info(args: argparse.Namespace) -> dict[str, Any]:
-    """Parameter counts of the model, from its shapes."""
-    w, v, s, n = args.width, args.vocab, args.seq, args.layers
-    block = 4 * w + (w * 3 * w + 3 * w) + (w * w + w) + (w * 4 * w + 4 * w) + (4 * w * w + w)  # 2 LN, attn, MLP
-    params = v * w + s * w + n * block + 2 * w  # wte (= lm_head), wpe, blocks, ln_f
-    return {"class": "GPT2LMHeadModel", "n_layer": n, "n_embd": w, "n_head": args.heads, "vocab_size": v,
-            "n_positions": s, "dtype": "float32", "parameters": params,
-            "training_state_bytes": STATE_BYTES_PER_PARAM * params, "batch": [args.batch, args.seq]}
 
 
 def main(argv: list[str]) -> int:
