@@ -39,7 +39,7 @@ samples:
   vm_pin             VmPin of /proc/self/status: pages the kernel holds pinned for the process (io_uring's
                      registered buffers count here)
   host_now           tm.stats()['now_bytes']['host'], the ledger's host bytes held now
-  pool_largest_free  the largest free piece of the host pool (a private attribute; shown, not judged): a
+  pool_largest_free  the largest free piece of the host pool's partition arena (shown, not judged): a
                      partition needs one piece, so this says how fragmented the pool is between steps
   swap_size          the sum of st_size over every file under the swap directory (os.walk, lstat)
   swap_allocated     the sum of st_blocks * 512 over the same files (the disk space they take)
@@ -185,10 +185,9 @@ def thread_names() -> dict[str, int]:
 
 
 def pool_largest_free(pool: Any) -> int | None:
-    """The largest free piece of tiermem's host pool (a private attribute, read for diagnosis only): a
-    partition needs one piece, so this, not the free total, says whether the next one fits."""
-    free = getattr(pool, "_free", None)
-    return free.largest() if free is not None and hasattr(free, "largest") else None
+    """The largest free piece of the host pool's partition arena: a partition needs one piece, so this,
+    not the free total, says whether the next one fits."""
+    return pool.largest_free() if hasattr(pool, "largest_free") else None
 
 
 def tree_sizes(path: str) -> tuple[int, int, int]:

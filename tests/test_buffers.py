@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tiermem.errors import BudgetError
 from tiermem.io import buffers
 from tiermem.io.buffers import CUDA_HOST_REGISTER_PORTABLE, HUGE_PAGE, AlignedBuffer, HostBufferPool
+from tiermem.swap import room_needed
 
 
 class TorchCudart:
@@ -109,7 +110,7 @@ def test_pool_never_exceeds_budget_and_merges_on_free(ops: list[tuple[bool, int]
         for piece in live:
             piece.release()
         assert pool.used == 0
-        assert pool._free.holes == [(0, pool.nbytes)]
+        assert pool._free["main"].holes == [(0, pool.nbytes)]
         assert pool.alloc(pool.nbytes).nbytes == pool.nbytes
 
 
@@ -202,4 +203,52 @@ def test_long_lived_pieces_go_to_the_top() -> None:
         high = pool.alloc(64 << 10, from_top=True)
         assert low.offset == 0 and high.offset == pool.nbytes - (64 << 10)
         low.release()
-        assert pool._free.largest() == pool.nbytes - (64 << 10)
+        assert pool.largest_free() == pool.nbytes - (64 << 10)
+
+
+def test_an_arena_is_apart_from_the_rest() -> None:
+    """Pieces of an arena come from its own bottom range and never from the rest, nor the rest from it."""
+    with HostBufferPool(1 << 20) as pool:
+        pool.add_arena("activations", 256 << 10)
+        assert pool.arena_bytes == {"main": 768 << 10, "activations": 256 << 10}
+        act = [pool.alloc(64 << 10, arena="activations") for _ in range(4)]
+        assert all(a.offset < (256 << 10) and a.arena == "activations" for a in act)
+        with pytest.raises(BudgetError, match="arena 'activations'"):
+            pool.alloc(4096, arena="activations")
+        main = pool.alloc(768 << 10)
+        assert main.offset == 256 << 10 and pool.largest_free() == 0
+        act[1].release()
+        assert pool.largest_free("activations") == 64 << 10 and pool.largest_free() == 0
+        with pytest.raises(ValueError, match="arena"):
+            pool.add_arena("late", 4096)  # only before anything is handed out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=4), st.lists(st.integers(1, 64), max_size=30),
+       st.randoms(use_true_random=False))
+def test_room_needed_fits_whatever_the_placement(sizes: list[int], filler: list[int], rnd: Any) -> None:
+    """Pieces of `sizes` (in 4 KiB pages), taken in order and held, always fit an arena of room_needed(sizes),
+    wherever earlier pieces left the held ones: fill the arena with evictable pieces, take each piece in
+    whatever hole first-fit gives it, then evict everything not held before taking the next, the worst an
+    evicting cache can face."""
+    page = 4096
+    need = room_needed([s * page for s in sizes])
+    with HostBufferPool(need) as pool:
+        held = []
+        for size in sizes:
+            others = []
+            for n in filler:  # evictable pieces scattered around the held ones
+                try:
+                    others.append(pool.alloc(n * page, from_top=rnd.random() < 0.5))
+                except BudgetError:
+                    break
+            rnd.shuffle(others)
+            while True:
+                try:
+                    held.append(pool.alloc(size * page))
+                    break
+                except BudgetError:
+                    assert others, f"{size} pages did not fit with only held pieces left: {pool._free['main'].holes}"
+                    others.pop().release()  # evict one, in an order unrelated to placement
+            for piece in others:
+                piece.release()

@@ -313,3 +313,51 @@ def test_the_float16_loss_scale_is_saved_and_loaded(tmp_path) -> None:
         tm.optimizer.scale, tm.optimizer._good_steps, tm.optimizer.skipped_steps = 2.0**16, 0, 0
         tm.load_checkpoint(tmp_path / "ckpt")
         assert (tm.optimizer.scale, tm.optimizer._good_steps, tm.optimizer.skipped_steps) == (1024.0, 7, 3)
+
+
+@pytest.mark.parametrize("fault", ["read error", "bytes changed after the check"])
+def test_a_fault_while_loading_after_the_checks_says_so_and_a_second_load_completes(tmp_path, monkeypatch,
+                                                                                    fault) -> None:
+    """The drive fails, or returns other bytes, between the check's read and the load's: a CheckpointError that
+    says the load stopped part way and to load again; loading again, once the drive reads, gives exactly
+    what was saved."""
+    import errno
+
+    from tests.faults import FaultyEngine
+    from tiermem import checkpointing
+    from tiermem.io.engine import create_engine
+
+    data = batches(6)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with create_engine("auto", block_size=256 << 10, queue_depth=8) as inner:
+        engine = FaultyEngine(inner)
+        with tiered_offload(model, optimizer=opt, engine=engine, **cfg(tmp_path)) as tm:
+            run_steps(model, tm.optimizer, data[:3])
+            tm.save_checkpoint(tmp_path / "ckpt")
+            tm.save_checkpoint(tmp_path / "saved")  # the same state, never damaged: what a load must give
+            run_steps(model, tm.optimizer, data[3:])
+            shard = tmp_path / "ckpt" / "optimizer-00001-of-00001.safetensors"
+            intact = shard.read_bytes()
+            real_check = checkpointing._check
+
+            def check_then_fault(*args):
+                checked = real_check(*args)
+                if fault == "read error":
+                    engine.fail("read", {3}, errno.EIO)
+                else:
+                    _flip_last_byte(shard)
+                return checked
+
+            monkeypatch.setattr(checkpointing, "_check", check_then_fault)
+            with pytest.raises(CheckpointError, match="part way") as info:
+                tm.load_checkpoint(tmp_path / "ckpt")
+            assert ("Input/output error" if fault == "read error" else "other bytes") in str(info.value)
+            monkeypatch.undo()
+            engine.heal()
+            shard.write_bytes(intact)
+            tm.load_checkpoint(tmp_path / "ckpt")
+            tm.save_checkpoint(tmp_path / "after")
+    saved, after = _files(tmp_path / "saved"), _files(tmp_path / "after")
+    assert {k: v for k, v in saved.items() if k != "manifest.json"} == \
+        {k: v for k, v in after.items() if k != "manifest.json"}

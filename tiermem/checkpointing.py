@@ -47,8 +47,10 @@ model and the optimizer as they were and raises CheckpointError naming the file 
 3. Every shard to load is read once, front to back in 4 MiB pieces, and the CRC-32 of each tensor in it
    compared with the manifest's (up to 4 shards at a time).
 Only then is anything loaded, unit by unit. So the checkpoint is read twice; the second read
-usually comes from the page cache. An I/O error in that second pass (a disk failing between the two) can
-still leave a partial load, reported as it happens.
+usually comes from the page cache, and its bytes are checked against the manifest again. An I/O error or
+changed bytes in that second pass (a drive failing between the two) leave a partial load: it raises a
+CheckpointError that says so, and loading again (the checkpoint is unchanged) completes it. Making that
+pass all-or-nothing would need a second copy of everything loaded, in memory or in swap.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ import aiofiles
 import torch
 
 from tiermem.device import check_host
+from tiermem.errors import TiermemError
 from tiermem.io.aio import read_bytes
 from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint, SafetensorsWriter
 
@@ -89,6 +92,8 @@ MANIFEST = "manifest.json"
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 TRAINER_STATE = "trainer_state.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's names (adapters_only)
+ADAPTER_CONFIG = "adapter_config.json"
 _LEFTOVER = re.compile(r"\.(tmp|old)-(\d+)")  # after "<name>": what a save in progress (or killed) leaves
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -100,12 +105,14 @@ Spec = tuple[str, torch.dtype, tuple[int, ...], Any]  # (name, dtype, shape, whe
 T = TypeVar("T")
 
 
-def save_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str], max_shard_bytes: int = DEFAULT_SHARD) -> str:
+def save_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str], max_shard_bytes: int = DEFAULT_SHARD, *,
+                    adapters_only: bool = False) -> str:
     """Write model weights, buffers and optimizer state to the directory `path`; return its absolute path.
 
     `path` holds a complete checkpoint at every moment: the old one until the new one has replaced it in
     one step (see [Note: replacing a checkpoint]). Shards are at most `max_shard_bytes` (unless one tensor
-    is larger). Example: ``tm.save_checkpoint("ckpt/step-1000")``.
+    is larger). Example: ``tm.save_checkpoint("ckpt/step-1000")``. With `adapters_only`, only a PEFT
+    model's adapters, in PEFT's own format (see `_write_adapters`).
     """
     final = os.path.realpath(os.fspath(path))
     if os.path.lexists(final) and not os.path.isdir(final):
@@ -116,7 +123,10 @@ def save_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str], max_shard_b
     shutil.rmtree(tmp, ignore_errors=True)  # this process's own, left by a save whose cleanup failed
     os.makedirs(tmp)
     try:
-        _write(tm, tmp, max_shard_bytes)
+        if adapters_only:
+            _write_adapters(tm, tmp)
+        else:
+            _write(tm, tmp, max_shard_bytes)
         _install(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # the unfinished new one, or the old one after an exchange
@@ -141,6 +151,12 @@ def load_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str]) -> None:
     checked = _check(tm, folder)
     try:
         _load(tm, checked)
+    except (OSError, TiermemError) as exc:
+        raise CheckpointError(
+            f"{folder}: loading failed part way, after every check had passed: {exc}. The model and optimizer now "
+            "hold part of this checkpoint and part of what they held before; the checkpoint itself is unchanged, "
+            "so call load_checkpoint again (it is checked again first), or load an intact copy"
+        ) from exc
     finally:
         checked.close()
 
@@ -218,6 +234,44 @@ def _write(tm: OffloadHandle, folder: str, max_shard_bytes: int) -> None:
     _fsync_dir(folder)
 
 
+def _write_adapters(tm: OffloadHandle, folder: str) -> None:
+    """A PEFT model's active adapter as PEFT's `save_pretrained` writes it, so `PeftModel.from_pretrained(base,
+    folder)` loads it: adapter_model.safetensors (every parameter of the adapter, named without the adapter
+    name, as `get_peft_model_state_dict` names them) and adapter_config.json. The base weights stay out."""
+    configs = getattr(tm.model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        raise CheckpointError(f"adapters_only: {type(tm.model).__name__} is not a PEFT model (it has no peft_config); "
+                              "save the whole checkpoint, or offload the model get_peft_model returned")
+    adapter = getattr(tm.model, "active_adapter", None)
+    adapter = adapter if isinstance(adapter, str) and adapter in configs else next(iter(configs))
+    marker = f".{adapter}."
+    tensors: list[Spec] = []  # (name in the file, dtype, shape, (unit index, the parameter's name))
+    for unit in tm.units:
+        dtypes = {slot.name: slot.dtype for slot in unit.partition.layout.slots}
+        for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
+            if marker in fqn:
+                tensors.append((fqn.replace(marker, ".", 1), dtypes[fqn], shape, (unit.index, fqn)))
+    if not tensors:
+        raise CheckpointError(f"adapters_only: no parameter of adapter {adapter!r} found (names with {marker!r})")
+    writer = SafetensorsWriter(os.path.join(folder, ADAPTER_WEIGHTS), [(n, d, s) for n, d, s, _ in tensors])
+    try:
+        for name, _, _, (index, fqn) in tensors:
+            part = tm.units[index].partition
+            views = tm.swapper.acquire(part, "host")
+            try:
+                writer.write(name, views[fqn])
+            finally:
+                tm.swapper.release(part, tier="host")
+    except BaseException:
+        writer.discard()
+        raise
+    writer.close()
+    config = configs[adapter].to_dict()
+    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+    _run(_write_files(folder, {ADAPTER_CONFIG: _dumps(config)}))
+    _fsync_dir(folder)
+
+
 def _write_sharded(folder: str, prefix: str, tensors: list[Spec], max_shard_bytes: int, tm: OffloadHandle,
                    files: dict[str, dict[str, Any]]) -> bytes:
     """Write `tensors` into `<prefix>-k-of-n.safetensors` shards (their manifest entries go into `files`);
@@ -250,10 +304,15 @@ def _write_sharded(folder: str, prefix: str, tensors: list[Spec], max_shard_byte
                 key = (source[0], source[1])
                 if held != key:
                     _release(tm, held)
-                    held, views = key, _acquire(tm, key)
+                    held = None
+                    views = _acquire(tm, key)  # a failed read holds nothing
+                    held = key
                 tensor = views[tname if source[0] == "unit" else source[2]]
                 check_host(f"saving {tname!r}", tensor)
                 writer.write(tname, tensor)
+        except BaseException:
+            writer.discard()
+            raise
         finally:
             _release(tm, held)
         writer.close()  # fsyncs the file
@@ -471,6 +530,15 @@ class _Checked:
     weights: SafetensorsCheckpoint
     states: SafetensorsCheckpoint | None = None  # the optimizer shards, when the optimizer state is loaded
     trainer: dict[str, Any] = field(default_factory=dict)  # trainer_state.json, when it is loaded
+    crc32: dict[str, int] = field(default_factory=dict)  # tensor name -> its CRC-32 in the manifest
+
+    def read_into(self, reader: SafetensorsCheckpoint, engine: Any, name: str, target: torch.Tensor) -> None:
+        """Read one tensor for loading, checked again against the manifest (the drive may return other bytes
+        than in the check's read)."""
+        got = reader.read_into(engine, name, target)
+        if got != self.crc32[name]:
+            raise CheckpointError(f"tensor {name!r} read {got:08x}, not the {self.crc32[name]:08x} it was checked "
+                                  "with a moment ago: the drive returned other bytes")
 
     def close(self) -> None:
         self.weights.close()
@@ -504,6 +572,7 @@ def _check(tm: OffloadHandle, folder: str) -> _Checked:
         if tm.optimizer is not None:
             _check_optimizer(tm, folder, files, contents, checked)
         _verify_checksums([r for r in (checked.weights, checked.states) if r is not None], files)
+        checked.crc32 = {name: crc for e in files.values() for name, crc in e.get("tensors", {}).items()}
     except BaseException:
         checked.close()
         raise
@@ -710,12 +779,12 @@ def _load(tm: OffloadHandle, checked: _Checked) -> None:
         views = tm.swapper.acquire(unit.partition, "host")
         try:
             for fqn, _ in unit.params:
-                weights.read_into(engine, fqn, views[fqn])
+                checked.read_into(weights, engine, fqn, views[fqn])
         finally:
             tm.swapper.release(unit.partition, dirty=True, tier="host")
     for name, buf in _persistent_buffers(tm.model):  # buffers live on the device: read on the host, then copy
         staged = torch.empty(buf.shape, dtype=buf.dtype)
-        weights.read_into(engine, name, staged)
+        checked.read_into(weights, engine, name, staged)
         with torch.no_grad():
             buf.copy_(staged)
     opt = tm.optimizer
@@ -737,6 +806,6 @@ def _load(tm: OffloadHandle, checked: _Checked) -> None:
         try:
             for kind in kinds:
                 for fqn, _, _ in st.trainable:
-                    checked.states.read_into(engine, f"{fqn}::{kind}", views[f"{kind}.{fqn}"])
+                    checked.read_into(checked.states, engine, f"{fqn}::{kind}", views[f"{kind}.{fqn}"])
         finally:
             tm.swapper.release(st.state, dirty=True, tier="host")

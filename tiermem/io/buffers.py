@@ -160,14 +160,15 @@ class AlignedBuffer:
 
 
 class PoolBuffer:
-    """A slice of a HostBufferPool; give it back with `release()`."""
+    """A slice of a HostBufferPool, from one of its arenas; give it back with `release()`."""
 
-    __slots__ = ("pool", "offset", "nbytes", "view", "address")
+    __slots__ = ("pool", "offset", "nbytes", "arena", "view", "address")
 
-    def __init__(self, pool: HostBufferPool, offset: int, nbytes: int) -> None:
+    def __init__(self, pool: HostBufferPool, offset: int, nbytes: int, arena: str = "main") -> None:
         self.pool = pool
         self.offset = offset
         self.nbytes = nbytes
+        self.arena = arena
         self.view = pool.buffer.view[offset : offset + nbytes]
         self.address = pool.buffer.address + offset
 
@@ -188,6 +189,9 @@ class HostBufferPool:
 
     `alloc` never grows the pool: when it cannot fit a request it raises BudgetError naming the size
     and what is free, so callers evict or wait instead of exceeding the host budget.
+
+    `add_arena(name, nbytes)` sets aside the bottom of the pool for one kind of piece: pieces that come
+    and go at another pace (saved activations) then never split the room the others need in one piece.
 
     Args:
         nbytes: the pool's size (rounded up to 4 KiB).
@@ -213,9 +217,25 @@ class HostBufferPool:
         self.buffer = AlignedBuffer(nbytes, huge_pages=huge_pages, pin=pin, prefault=prefault)
         self.nbytes = self.buffer.nbytes
         self._lock = threading.Lock()
-        self._free = FreeList(self.nbytes)  # the pieces not handed out
+        self._free = {"main": FreeList(self.nbytes)}  # the pieces not handed out, per arena
+        self.arena_bytes = {"main": self.nbytes}
         self.used = 0  # bytes handed out now
         self.peak = 0  # most bytes handed out at once
+
+    def add_arena(self, name: str, nbytes: int) -> None:
+        """Set aside `nbytes` (rounded up to 4 KiB) at the bottom of the pool, allocated only by
+        `alloc(..., arena=name)`; before anything is allocated."""
+        size = align_up(nbytes)
+        with self._lock:
+            if name in self._free or self.used or size >= self.arena_bytes["main"]:
+                raise ValueError(f"cannot add arena {name!r} of {format_size(size)} to this pool")
+            start = self.nbytes - self.arena_bytes["main"]  # the arenas before this one sit below it
+            self._free[name] = FreeList()
+            self._free[name].give(start, size)
+            self.arena_bytes[name] = size
+            self.arena_bytes["main"] -= size
+            self._free["main"] = FreeList()
+            self._free["main"].give(start + size, self.arena_bytes["main"])
 
     @property
     def pinned(self) -> bool:
@@ -236,26 +256,33 @@ class HostBufferPool:
         """(address, length) ranges to register with an I/O engine as fixed buffers."""
         return [(self.buffer.address, self.nbytes)]
 
-    def alloc(self, nbytes: int, *, from_top: bool = False) -> PoolBuffer:
-        """A 4 KiB-aligned piece of at least `nbytes`. `from_top` takes it from the high end: long-lived
-        pieces go there, so they do not split the room that short-lived ones come and go in."""
+    def alloc(self, nbytes: int, *, from_top: bool = False, arena: str = "main") -> PoolBuffer:
+        """A 4 KiB-aligned piece of at least `nbytes` from `arena`. `from_top` takes it from the high end:
+        long-lived pieces go there, so they do not split the room that short-lived ones come and go in."""
         size = align_up(max(nbytes, 1))
         with self._lock:
-            start = self._free.take(size, from_top=from_top)
+            free = self._free[arena]
+            start = free.take(size, from_top=from_top)
             if start is not None:
                 self.used += size
                 self.peak = max(self.peak, self.used)
-                return PoolBuffer(self, start, size)
-            largest = self._free.largest()
+                return PoolBuffer(self, start, size, arena)
+            largest, total = free.largest(), sum(h for _, h in free.holes)
+        where = "" if arena == "main" else f" arena {arena!r}"
         raise BudgetError(
-            f"host buffer pool cannot fit {format_size(size)}: {format_size(self.nbytes - self.used)} free "
-            f"(largest piece {format_size(largest)}) of {format_size(self.nbytes)}; raise memory.host_budget "
-            "or lower io.block_size / io.queue_depth"
+            f"host buffer pool{where} cannot fit {format_size(size)}: {format_size(total)} free "
+            f"(largest piece {format_size(largest)}) of {format_size(self.arena_bytes[arena])}; raise "
+            "memory.host_budget or lower io.block_size / io.queue_depth"
         )
+
+    def largest_free(self, arena: str = "main") -> int:
+        """The largest piece `alloc` could hand out from `arena` now."""
+        with self._lock:
+            return self._free[arena].largest()
 
     def free(self, buf: PoolBuffer) -> None:
         with self._lock:
-            self._free.give(buf.offset, buf.nbytes)
+            self._free[buf.arena].give(buf.offset, buf.nbytes)
             self.used -= buf.nbytes
 
     def close(self) -> None:

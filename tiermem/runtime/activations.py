@@ -180,7 +180,8 @@ class ActivationStore:
                 views["data"].copy_(src)
 
         try:
-            rec.part = self.swapper.add(f"activation#{rec.seq}", [("data", _meta(nbytes))], home="nvme", fill=fill)
+            rec.part = self.swapper.add(f"activation#{rec.seq}", [("data", _meta(nbytes))], home="nvme", fill=fill,
+                                        arena="activations")
         except (BudgetError, StoreError, OSError) as exc:  # a full host cache or disk: keep it in memory
             self._keep(nbytes, str(exc))
             return t
@@ -226,7 +227,7 @@ class ActivationStore:
             try:
                 self.swapper.evict(part).wait()  # a write in flight: wait for it (the bytes must be on disk)
             except OSError as exc:
-                log.warning("writing a saved activation to swap failed (%s); keeping it in memory", exc)
+                log.warning("writing a saved activation to swap failed (%s); keeping it in memory", str(exc))
                 continue
             self.swapper.evict(part)  # now clean: dropped at once
             if not self.swapper.holds_host(part):

@@ -118,8 +118,9 @@ class SafetensorsCheckpoint:
                                       f"{meta['dtype']} needs {_nbytes(dtype, shape)}; the header is corrupt")
             tensors[name] = self.entries[name] = Entry(path, base + begin, end - begin, dtype, shape)
 
-    def read_into(self, engine: IOEngine, name: str, target: torch.Tensor) -> None:
-        """Read tensor `name` into `target` (a CPU tensor of the same shape), converting its dtype if needed."""
+    def read_into(self, engine: IOEngine, name: str, target: torch.Tensor) -> int:
+        """Read tensor `name` into `target` (a CPU tensor of the same shape), converting its dtype if needed;
+        return the CRC-32 of the bytes as stored."""
         e = self.entries[name]
         if tuple(target.shape) != e.shape:
             raise CheckpointError(f"{e.path}: tensor {name!r} has shape {list(e.shape)} but the model's parameter "
@@ -130,10 +131,11 @@ class SafetensorsCheckpoint:
             f = self._files[e.path] = IOFile(e.path, "r", direct=False)
         if target.dtype == e.dtype and target.is_contiguous():
             engine.read(f, target, e.offset, e.nbytes).wait()
-            return
+            return _crc32(target)
         tmp = torch.empty(e.shape, dtype=e.dtype)
         engine.read(f, tmp, e.offset, e.nbytes).wait()
         target.copy_(tmp)
+        return _crc32(tmp)
 
     def checksums(self, path: str) -> dict[str, int]:
         """The CRC-32 of each tensor's bytes in the file at `path` (one of `shards`), read front to back in
@@ -220,6 +222,10 @@ class SafetensorsWriter:
         self.crc32[name] = zlib.crc32(view)
         self._next += 1
 
+    def discard(self) -> None:
+        """Give up on the file (the save failed): close it unsynced; the caller removes the directory."""
+        self._file.close()
+
     def close(self) -> None:
         if self._next != len(self.expected):
             self._file.close()
@@ -227,3 +233,7 @@ class SafetensorsWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+
+
+def _crc32(t: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]

@@ -1,5 +1,6 @@
 """The tensor swapper: partitions of tensors placed in tiers (device, host, NVMe) and moved asynchronously."""
 
+from tiermem.swap.host_cache import room_needed
 from tiermem.swap.layout import Layout, TensorSlot
 from tiermem.swap.ledger import Ledger, LedgerSnapshot
 from tiermem.swap.partition import Partition, StateError
@@ -20,4 +21,5 @@ __all__ = [
     "TensorSlot",
     "Tier",
     "TensorSwapper",
+    "room_needed",
 ]

@@ -3,8 +3,11 @@
 # [Note: host budget]
 All host memory for partitions comes from one HostBufferPool of memory.host_budget bytes, allocated
 once; saved activations (activations.tier: nvme) are partitions too, and hold at most activations.buffer
-of it (runtime/activations.py). When a fetch needs room, the idle partitions whose home is NVMe are
-evicted, the one needed last first (the runtime knows the schedule; else the least recently used):
+of it (runtime/activations.py), in an arena of their own at the bottom of the pool: they come and go by
+the hundred per step, and mixed in with the rest they would split the room a unit's optimizer state needs
+in one piece. The other partitions share the rest: those kept for good (homed on host) from the top, the
+ones that come and go from the bottom. When a fetch needs room, the idle partitions of its arena whose
+home is NVMe are evicted, the one needed last first (the runtime knows the schedule; else the least recently used):
 dropped at once when their NVMe copy is current, written back first when dirty. A partition larger than
 the whole budget, or a budget full of partitions in use, raises BudgetError naming them.
 
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING
 from tiermem.config import Config
 from tiermem.errors import BudgetError, StoreError
 from tiermem.interrupts import deferred_interrupts
-from tiermem.io.buffers import HostBufferPool, PoolBuffer
+from tiermem.io.buffers import HostBufferPool, PoolBuffer, align_up
 from tiermem.io.engine import IOEngine, create_engine
 from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size
@@ -50,6 +53,21 @@ def done_future() -> IOFuture:
     fut = IOFuture(0, 1)
     fut._chunk_done(None)
     return fut
+
+
+def room_needed(sizes: list[int]) -> int:
+    """Bytes of an arena that let first-fit place pieces of `sizes`, taken in this order and all held
+    together, wherever the arena's other pieces happened to be; see [Note: host budget].
+
+    Everything else in the arena is evictable, so in the worst case the pieces already held are all that
+    is left, and m - 1 held pieces split the free bytes into at most m holes: the m-th piece surely fits
+    once the free bytes reach m times its size. Taking the largest piece first needs the least.
+    """
+    need = held = 0
+    for m, size in enumerate(sizes, 1):
+        need = max(need, held + m * size)
+        held += size
+    return need
 
 
 class HostCache:
@@ -82,7 +100,7 @@ class HostCache:
     @property
     def partition_budget(self) -> int:
         """The pool less what saved activations may hold of it (activations.buffer, with activations.tier nvme)."""
-        return self.pool.nbytes - self.config.activations.host_bytes
+        return self.pool.arena_bytes["main"]
 
     @property
     def budget_text(self) -> str:
@@ -91,6 +109,12 @@ class HostCache:
         if self.config.activations.host_bytes:
             return f"memory.host_budget less activations.buffer ({size})"
         return f"memory.host_budget ({size})"
+
+    def arena_text(self, arena: str) -> str:
+        """What the user sets to size `arena`, as error messages name it."""
+        if arena == "activations":
+            return f"activations.buffer ({format_size(self.pool.arena_bytes[arena])})"
+        return self.budget_text
 
     # -- NVMe resources, made lazily so host-only configs never touch a disk --------------------------
     @property
@@ -138,7 +162,7 @@ class HostCache:
             part.attach_host(buf, self.ledger)
             buf.tensor().zero_()
             part.discarded = False
-            part.dirty = part.home is Tier.NVME
+            part.mark_dirty()
         elif part.device_state is DeviceState.READY and part.device_data is not None:
             part.attach_host(buf, self.ledger)  # home device: the device copy is the one to copy from
             self.mover.synchronize(self.mover.to_host(part.device_data, buf.tensor()))
@@ -193,7 +217,8 @@ class HostCache:
         assert part.extent is not None and part.host is not None and part.host_state is HostState.READY
         checksum = zlib.crc32(part.host.view[: part.nbytes]) if self.config.nvme.checksum else None
         with deferred_interrupts():  # the state says "writing" only once the write is queued
-            raw = self.store.write(part.extent, part.host.view, part.size)  # raises before any change
+            nbytes = min(part.size, align_up(part.dirty_end)) if part.dirty else part.size
+            raw = self.store.write(part.extent, part.host.view, nbytes)  # raises before any change
             if checksum is not None:
                 part.checksum = checksum
             part.host_state = HostState.WRITING
@@ -212,10 +237,12 @@ class HostCache:
                 part.pending = None
                 part.host_state = HostState.READY
                 if error is not None:  # the host copy is still there and still dirty: nothing is lost
-                    log.error("write-back of partition %r failed: %s", part.name, error)
+                    # logged as a string: the error object, once raised to waiters, holds their frames
+                    log.error("write-back of partition %r failed: %s", part.name, str(error))
                     return
-                self.bytes_written += part.size
-                part.dirty = part.version != part.written_version  # changed while the write was in flight
+                self.bytes_written += fut.nbytes
+                if part.version == part.written_version:  # else it changed while the write was in flight
+                    part.mark_clean()
                 if (part.free_after_write and not part.waiters and not part.users and not part.dirty
                         and part.device_state is DeviceState.NONE):
                     part.detach_host(self.pool, self.ledger)
@@ -234,43 +261,58 @@ class HostCache:
 
     # -- host memory ----------------------------------------------------------------------------------
     def alloc(self, part: Partition, *, wait: bool = True) -> PoolBuffer:
-        """A host buffer for `part`, evicting idle NVMe partitions (and waiting for write-backs). Lock not held."""
-        budget = self.pool.nbytes
-        if part.size > budget:
-            raise BudgetError(
-                f"partition {part.name!r} needs {format_size(part.size)} of host memory, more than the whole "
-                f"{self.budget_text}; raise memory.host_budget or split the model into smaller units"
-            )
+        """A host buffer for `part`, evicting idle NVMe partitions (and waiting for write-backs). Lock not held.
+
+        From the partition's arena; a saved activation that finds its arena full of activations in use
+        (backward can hold more at once than activations.buffer) overflows into the rest of the pool."""
+        arena = part.arena
+        if part.size > self.pool.arena_bytes[arena]:
+            if arena != "activations":
+                raise BudgetError(
+                    f"partition {part.name!r} needs {format_size(part.size)} of host memory, more than the whole "
+                    f"{self.arena_text(arena)}; raise it or split the model into smaller units"
+                )
+            arena = "main"
         while True:
             with self.lock:
                 try:
-                    return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.pinned)
+                    return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.pinned, arena=arena)
                 except BudgetError:
                     pass
                 victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
+                                  and p.host is not None and p.host.arena == arena
                                   and p.host_state is HostState.READY and p.device_state is not DeviceState.COPYING
                                   and not p.users and not p.waiters), key=self._eviction_key)
+                busy = [p for p in self.partitions.values() if p.pending is not None and p.host is not None
+                        and p.host.arena == arena]
                 if victims:
                     victims[0].drop_device(self.ledger)  # a prefetched partition nobody acquired yet
                     victims[0].want_device = False
                     wait_for = self.start_eviction(victims[0])
-                else:
-                    busy = [p for p in self.partitions.values() if p.pending is not None]
-                    if not busy:
-                        held = [p.name for p in self.partitions.values() if p.host is not None]
-                        raise BudgetError(
-                            f"partition {part.name!r} needs {format_size(part.size)} of host memory but "
-                            f"{self.budget_text} is held by partitions in use or homed on "
-                            f"host ({', '.join(held[:8])}{'...' if len(held) > 8 else ''}); release some, or "
-                            "raise memory.host_budget"
-                        )
+                elif busy:
                     wait_for = busy[0].pending  # type: ignore[assignment]
+                elif arena == "activations":
+                    arena = "main"  # the overflow: see the docstring
+                    continue
+                else:
+                    raise self._no_room(part, arena)
                 if not wait and not wait_for.done():
                     raise BudgetError(f"no host memory free now for partition {part.name!r}")
             try:
                 wait_for.wait()  # without the lock: the completion needs it
             except Exception as exc:  # a failed write-back keeps its data; report it to this caller
                 raise StoreError(f"could not free host memory for partition {part.name!r}: {exc}") from exc
+
+    def _no_room(self, part: Partition, arena: str) -> BudgetError:
+        held = [p for p in self.partitions.values() if p.host is not None and p.host.arena == arena]
+        free = self.pool.arena_bytes[arena] - sum(p.size for p in held)
+        split = (f" ({format_size(free)} is free, but in pieces of at most "
+                 f"{format_size(self.pool.largest_free(arena))})" if free >= part.size else "")
+        names = ", ".join(p.name for p in held[:8]) + ("..." if len(held) > 8 else "")
+        return BudgetError(
+            f"partition {part.name!r} needs {format_size(part.size)} of host memory but {self.arena_text(arena)} "
+            f"is held by partitions in use or homed on host ({names}){split}; release some, or raise it"
+        )
 
     def _eviction_key(self, part: Partition) -> tuple[bool, bool, float, int]:
         """Sort key of eviction candidates: pinned ones last, then prefetched-and-not-yet-used ones; among

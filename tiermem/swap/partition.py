@@ -30,10 +30,11 @@ class StateError(TiermemError):
 class Partition:
     """A group of tensors moved together. Create through `TensorSwapper.add`; move with the swapper."""
 
-    def __init__(self, name: str, layout: Layout, home: Tier) -> None:
+    def __init__(self, name: str, layout: Layout, home: Tier, arena: str = "main") -> None:
         self.name = name
         self.layout = layout
         self.home = home
+        self.arena = arena  # the part of the host pool its host buffer comes from
         self.host_state = HostState.NONE
         self.device_state = DeviceState.NONE
         self.host: PoolBuffer | None = None  # the host buffer, while host_state is not NONE
@@ -42,6 +43,7 @@ class Partition:
         self.extent: Extent | None = None  # where it rests on NVMe (home nvme only)
         self.checksum: int | None = None  # crc32 written with the NVMe copy when nvme.checksum is on
         self.dirty = False  # the host copy is newer than the NVMe copy (or there is no NVMe copy yet)
+        self.dirty_end = 0  # while dirty: the bytes from the start that may differ; the rest equals the NVMe copy
         self.version = 0  # bumped on every change of the host copy; a write-back is current only if equal
         self.written_version = -1  # `version` captured when the write in flight started
         self.holders: Counter[str] = Counter()  # acquire() not yet released, by tier ('host', 'device')
@@ -113,6 +115,29 @@ class Partition:
         self.host = None
         self.host_state = HostState.NONE
         self._views.pop("host", None)
+
+    def mark_dirty(self, end: int | None = None) -> None:
+        """The host copy changed in its first `end` bytes (default: anywhere); only NVMe partitions have a
+        copy to get out of date. A write-back then writes those bytes, 4 KiB-aligned, not the whole."""
+        if self.home is not Tier.NVME:
+            return
+        end = self.size if end is None else min(self.size, end)
+        self.dirty_end = max(self.dirty_end, end) if self.dirty else end
+        self.dirty = True
+
+    def mark_clean(self) -> None:
+        self.dirty = False
+        self.dirty_end = 0
+
+    def forget(self, ledger: Ledger) -> None:
+        """Any -> NONE in both tiers as the swapper closes: drops the buffers and every view of them (the
+        pool goes as a whole), so a Partition object kept afterwards holds none of its memory."""
+        self.drop_device(ledger)
+        if self.host is not None:
+            ledger.sub("host", self.size)
+        self.host = None
+        self.host_state = HostState.NONE
+        self._views.clear()
 
     def reserve_device(self, ledger: Ledger) -> None:
         """NONE -> COPYING: charges the device ledger (raises BudgetError over the budget)."""

@@ -28,7 +28,7 @@ import torch
 
 from tiermem.config import Config, load_config
 from tiermem.device import resolve_device
-from tiermem.errors import BudgetError
+from tiermem.errors import BudgetError, StoreError
 from tiermem.io.buffers import HostBufferPool
 from tiermem.io.engine import IOEngine
 from tiermem.io.future import IOFuture
@@ -121,6 +121,8 @@ class TensorSwapper:
             raise BudgetError(f"memory.host_budget ({format_size(cfg.memory.host_budget)}) cannot be mapped: "
                               f"{exc.strerror}; lower memory.host_budget or raise this process's memory limit "
                               "(ulimit -v, the container's limit, vm.overcommit_memory)") from None
+        if cfg.activations.host_bytes:  # saved activations come and go by the hundred: their own arena
+            pool.add_arena("activations", cfg.activations.host_bytes)
         self.ledger.budget["host"] = pool.nbytes
         self.cache = HostCache(cfg, self._lock, self.partitions, self.ledger, pool, self.mover, engine)
         self.device_cap: int | None = cfg.memory.device_budget  # explicit, or derived by the runtime
@@ -209,7 +211,8 @@ class TensorSwapper:
     # -- partitions ---------------------------------------------------------------------------------
     def add(self, name: str, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
             home: str | Tier = Tier.NVME,
-            fill: Callable[[dict[str, torch.Tensor]], None] | None = None, zero: bool = False) -> Partition:
+            fill: Callable[[dict[str, torch.Tensor]], None] | None = None, zero: bool = False,
+            arena: str = "main") -> Partition:
         """Pack `tensors` (copied) into a new partition resting in `home` ('device', 'cpu' or 'nvme').
 
         With `fill`, `tensors` only give names, dtypes and shapes (meta tensors will do) and
@@ -217,6 +220,7 @@ class TensorSwapper:
         buffer first, padding included (so flat views over it hold zeros between tensors); with `zero`
         and no `fill`, `tensors` only give the layout. An NVMe partition starts on host, dirty, and is
         written out when evicted or on `flush()`; a device one is filled on the host, then copied.
+        `arena` names the part of the host pool its host buffer comes from (see [Note: host budget]).
         """
         if self.closed:
             raise StateError("the swapper is closed")
@@ -230,7 +234,7 @@ class TensorSwapper:
         with self._lock:
             if name in self.partitions:
                 raise ValueError(f"a partition named {name!r} exists already")
-        part = Partition(name, Layout.of(items), tier)
+        part = Partition(name, Layout.of(items), tier, arena)
         if tier is Tier.NVME:
             part.extent = self.store.allocate(part.size)
         try:
@@ -258,7 +262,7 @@ class TensorSwapper:
                 if part.extent is not None:
                     self.store.free(part.extent)
             raise
-        part.dirty = tier is Tier.NVME
+        part.mark_dirty()  # no NVMe copy yet
         with self._lock:
             self._clock += 1
             part.last_used = self._clock
@@ -360,7 +364,7 @@ class TensorSwapper:
                 try:
                     self._to_device(p, prefetch=True)
                 except Exception as exc:  # noqa: BLE001 - a prefetch is a hint: the acquire retries and reports
-                    log.warning("prefetching partition %r to %s failed: %s", p.name, self.device, exc)
+                    log.warning("prefetching partition %r to %s failed: %s", p.name, self.device, str(exc))
 
     def acquire(self, part: Partition, tier: str = "device",
                 before_wait: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
@@ -397,8 +401,10 @@ class TensorSwapper:
             self.mover.use_on_compute(part.device_data, part.ready_event)
         return part.tensors(tier)
 
-    def release(self, part: Partition, *, dirty: bool = False, keep: bool = False, tier: str | None = None) -> None:
-        """End one use in `tier` (default: the only tier it is held in). `dirty`: its tensors changed there.
+    def release(self, part: Partition, *, dirty: bool = False, keep: bool = False, tier: str | None = None,
+                dirty_end: int | None = None) -> None:
+        """End one use in `tier` (default: the only tier it is held in). `dirty`: its tensors changed there
+        (with `dirty_end`, only in its first that many bytes: a write-back writes no more).
 
         A change on the device is copied back to the host copy; a change on the host refreshes a device
         copy. When nobody uses it any more, it leaves the device (its home tier permitting) unless `keep`
@@ -425,7 +431,7 @@ class TensorSwapper:
             self._clock += 1
             part.last_used = self._clock
             if dirty:
-                part.dirty = part.home is Tier.NVME
+                part.mark_dirty(dirty_end)
                 part.version += 1  # a write-back in flight now carries older bytes: it must not clear dirty
             if part.users == 0:
                 if part.home is Tier.DEVICE:
@@ -455,13 +461,12 @@ class TensorSwapper:
 
     def flush(self) -> None:
         """Write every dirty NVMe partition on host back to disk (they stay cached) and wait."""
-        futures = []
+        writes = []
         with self._lock:
             for part in self.partitions.values():
                 if part.home is Tier.NVME and part.dirty and part.host_state is HostState.READY:
-                    futures.append(self.cache.start_write(part, free_after=False))
-        for f in futures:
-            f.wait()
+                    writes.append((part, self.cache.start_write(part, free_after=False)))
+        self._wait_writes(writes)
         store = self.cache.store_if_open
         if store is not None:
             store.flush()
@@ -472,8 +477,22 @@ class TensorSwapper:
         with self._lock:
             idle = [p for p in self.partitions.values() if p.home is Tier.NVME and not p.users and not p.waiters
                     and p.host_state is HostState.READY]
-        for part in idle:
-            self.evict(part).wait()
+        self._wait_writes([(part, self.evict(part)) for part in idle])
+
+    def _wait_writes(self, writes: list[tuple[Partition, IOFuture]]) -> None:
+        """Wait for every write; the failed ones raise one StoreError naming their partitions (their host
+        copies stay, dirty: nothing is lost, and a later write may succeed)."""
+        failed: list[tuple[Partition, BaseException]] = []
+        for part, fut in writes:
+            try:
+                fut.wait()
+            except OSError as exc:
+                failed.append((part, exc))
+        if failed:
+            names = ", ".join(p.name for p, _ in failed[:4]) + ("..." if len(failed) > 4 else "")
+            raise StoreError(f"writing {len(failed)} partition(s) to swap failed ({names}): {failed[0][1]}; their "
+                             "host copies are kept. Check the drive (dmesg, smartctl) and the free space of "
+                             "nvme.paths") from failed[0][1]
 
     def discard(self, part: Partition) -> None:
         """Drop the contents of an idle partition and give its memory back, whatever its home tier; nothing is
@@ -486,7 +505,7 @@ class TensorSwapper:
             part.drop_device(self.ledger)
             part.detach_host(self.pool, self.ledger)
             part.discarded = True
-            part.dirty = False
+            part.mark_clean()
             part.prefetched = part.want_device = False
             part.checksum = None
             part.version += 1
@@ -592,9 +611,7 @@ class TensorSwapper:
         self.closed = True
         with self._lock:
             for part in self.partitions.values():
-                part.drop_device(self.ledger)
-                part.host = None
-                part.host_state = HostState.NONE
+                part.forget(self.ledger)
             self.partitions.clear()
             self._want_device.clear()
         self.cache.close()
