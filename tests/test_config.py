@@ -97,7 +97,7 @@ def test_defaults_match_the_contract() -> None:
     assert cfg.device == "auto"
     assert cfg.params == ParamsConfig(tier="nvme", dtype=None)
     assert cfg.optimizer == OptimizerConfig(tier="nvme")
-    assert cfg.grads == GradsConfig(tier="cpu")
+    assert cfg.grads == GradsConfig(tier="auto")
     assert cfg.nvme.paths == ("/var/tmp/tiermem",)
     assert (cfg.nvme.stripe_size, cfg.nvme.checksum, cfg.nvme.keep_files) == (MiB, False, False)
     assert cfg.memory == MemoryConfig(host_budget=4 * GiB, device_budget=None)
@@ -378,7 +378,7 @@ BAD_CONFIGS: list[tuple[str, dict[Any, Any], str]] = [
         "params.tier: expected one of device, cpu, nvme, got 'nvm'; did you mean 'nvme'?",
     ),
     ("opt-device", {"optimizer": {"tier": "device"}}, "optimizer.tier: expected one of cpu, nvme"),
-    ("grads-int", {"grads": {"tier": 3}}, "grads.tier: expected one of cpu, nvme, got int 3"),
+    ("grads-int", {"grads": {"tier": 3}}, "grads.tier: expected one of auto, cpu, nvme, got int 3"),
     (
         "dtype-alias",
         {"params": {"dtype": "fp16"}},

@@ -390,3 +390,46 @@ def test_an_optimizer_on_a_meta_device_model_trains_it_from_its_checkpoint(tmp_p
     for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     assert len(opt.state) == len(list(model.parameters()))
+
+
+def test_exit_unmaps_the_host_pool_while_the_handle_lives(tmp_path) -> None:
+    """A user who keeps `tm` after the block (to read its stats) does not keep memory.host_budget of RSS:
+    exit lets go of every view of the pool, so its mapping is closed, not merely marked closed."""
+    model = models.gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(3))
+    with tiered_offload(model, **cfg(tmp_path, **{"memory.host_budget": "8MiB", "activations.tier": "nvme",
+                                                  "activations.buffer": "1MiB", "activations.min_bytes": 1}),
+                        optimizer=opt) as tm:
+        for _ in range(2):
+            opt.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            tm.clip_grad_norm_(1.0)
+            opt.step()
+        pool = tm.swapper.pool
+        assert not pool.buffer._map.closed
+    assert pool.buffer._map.closed, "the pool is still mapped: something kept a view of it"
+    assert tm.stats()["passes"] == 2  # the figures stay readable
+
+
+@pytest.mark.parametrize("budget,tier", [("4MiB", "cpu"), ("1280KiB", "nvme")])
+def test_grads_auto_spills_to_nvme_only_when_they_do_not_fit(tmp_path, caplog, budget: str, tier: str) -> None:
+    """grads.tier auto (the default) keeps the accumulators in host memory when they all fit the budget beside a
+    step, else puts them on NVMe; where a fixed grads.tier: cpu is refused at that budget. Training is exact
+    either way, and the plan line at entry says where each kind of state went and why."""
+    from tests.models import gpt2_training_matches
+
+    extra = {**cfg(tmp_path), "grads.tier": "auto", "memory.host_budget": budget}
+    chosen: list[str] = []
+    with caplog.at_level(logging.INFO, logger="tiermem.offload"):
+        gpt2_training_matches(extra, width=64, vocab=500, shape=(2, 8), steps=3,
+                              check=lambda tm: chosen.append(tm.plan["grads"]["tier"]))
+    assert chosen == [tier]
+    line = next(r.getMessage() for r in caplog.records if "plan:" in r.getMessage())
+    assert f"on {tier} (auto:" in line and "optimizer state" in line and "for a unit's step" in line
+    if tier == "nvme":
+        model = models.gpt2(layers=2, width=64, vocab=500)
+        with pytest.raises(Exception, match="cannot hold the training state"):
+            with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters()),
+                                **{**extra, "grads.tier": "cpu"}):
+                pass

@@ -292,11 +292,12 @@ class GradsConfig:
 
     SECTION: ClassVar[str] = "grads"
 
-    tier: str = "cpu"
-    """Where gradients rest after backward: ``cpu`` or ``nvme``."""
+    tier: str = "auto"
+    """Where gradients rest after backward: ``cpu``, ``nvme``, or ``auto``: host memory when every
+    accumulator fits the host budget beside a step's working set, else NVMe (with optimizer.tier nvme)."""
 
     def __post_init__(self) -> None:
-        self.tier = _choice("grads.tier", self.tier, STATE_TIERS)
+        self.tier = _choice("grads.tier", self.tier, ("auto", *STATE_TIERS))
 
 
 @dataclass

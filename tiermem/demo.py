@@ -2,8 +2,8 @@
 from NVMe, with execution-order prefetch and without it, side by side; then a GPT whose Adam training
 state is several times the host budget, trained for a few steps from NVMe, ending with a checkpoint.
 
-The model is built on the meta device (no weights in RAM) and streamed from a safetensors checkpoint
-straight into swap files; only the host budget's worth of parameters is ever in memory. The checkpoint
+Both models are built on the meta device (no weights in RAM) and streamed from a safetensors checkpoint
+straight into swap files; only the host budget's worth of parameters is ever in memory. Each checkpoint
 is made once, in a child process, and cached.
 """
 
@@ -26,32 +26,37 @@ from tiermem.sizes import format_size, parse_size
 DEFAULT_DIR = "/var/tmp/tiermem-demo"
 
 
-def model_config(layers: int, width: int) -> Any:
+def model_config(layers: int, width: int, *, train: bool = False) -> Any:
+    """GPT-2's shape for generation; for training a smaller vocabulary and context, dropout off."""
     from transformers import GPT2Config
 
+    if train:
+        return GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=8192, n_positions=256,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                          use_cache=False)
     return GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=50257, n_positions=1024,
                       bos_token_id=50256, eos_token_id=50256, pad_token_id=50256)
 
 
-def make_checkpoint(folder: str, layers: int, width: int) -> str:
+def make_checkpoint(folder: str, layers: int, width: int, *, train: bool = False) -> str:
     """Save a randomly initialised model (in this process) as safetensors; return the weights path."""
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
-    GPT2LMHeadModel(model_config(layers, width)).save_pretrained(folder)
+    GPT2LMHeadModel(model_config(layers, width, train=train)).save_pretrained(folder)
     return folder
 
 
-def ensure_checkpoint(folder: str, layers: int, width: int) -> str:
+def ensure_checkpoint(folder: str, layers: int, width: int, *, train: bool = False) -> str:
     """The cached checkpoint for this shape, made in a child process so this one never holds the model."""
-    tag = os.path.join(folder, f"gpt2-{layers}x{width}")
+    tag = os.path.join(folder, f"{'gpt-train' if train else 'gpt2'}-{layers}x{width}")
     weights = os.path.join(tag, "model.safetensors")
     index = os.path.join(tag, "model.safetensors.index.json")
     if not (os.path.exists(weights) or os.path.exists(index)):
         print(f"making a random {layers}-layer, {width}-wide checkpoint in {tag} (once)", file=sys.stderr)
         os.makedirs(folder, exist_ok=True)
         subprocess.run([sys.executable, "-m", "tiermem.demo", "--make-checkpoint", tag, "--layers", str(layers),
-                        "--width", str(width)], check=True)
+                        "--width", str(width), *(["--train-shape"] if train else [])], check=True)
     return index if os.path.exists(index) else weights
 
 
@@ -112,26 +117,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_training(args: argparse.Namespace) -> int:
-    """Train a GPT whose Adam state is several times the host budget, from NVMe; save a checkpoint."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """Train a GPT whose Adam state is several times the host budget, from NVMe; save a checkpoint. As with a
+    model larger than RAM, it is built on the meta device and streamed from its checkpoint (made once)."""
+    from transformers import GPT2LMHeadModel
 
     import tiermem
 
     budget = parse_size(args.train_budget, what="--train-budget")
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=args.train_layers, n_embd=args.train_width, n_head=max(1, args.train_width // 64),
-                     vocab_size=8192, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=0, eos_token_id=0, use_cache=False)
-    model = GPT2LMHeadModel(cfg).train()
+    weights = ensure_checkpoint(os.path.join(args.dir, "checkpoints"), args.train_layers, args.train_width,
+                                train=True)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(model_config(args.train_layers, args.train_width, train=True)).train()
     n_params = sum(p.numel() for p in model.parameters())
     state_bytes = n_params * 16  # fp32 weights, gradients and two Adam moments
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)  # on the meta parameters
     swap = os.path.join(args.dir, "swap-train")
     ckpt = os.path.join(args.dir, "train-checkpoint")
     overrides: dict[str, Any] = {"device": "auto", "params.tier": "nvme", "optimizer.tier": "nvme",
-                                 "grads.tier": "cpu", "nvme.paths": [swap], "memory.host_budget": budget}
+                                 "nvme.paths": [swap], "memory.host_budget": budget}
     times, losses = [], []
-    with tiermem.tiered_offload(model, optimizer=opt, **overrides) as tm:
+    # restore=False: the trained weights are in the checkpoint saved below; the model ends on the meta device
+    with tiermem.tiered_offload(model, checkpoint=weights, optimizer=opt, restore=False, **overrides) as tm:
+        print(f"plan: {tm.plan_summary()}")
         batch = _token_ids((2, 128), 8192, 3, tm.device)
         data = [batch] * args.train_steps  # one batch again and again: the falling loss shows that updates land
         tm.reset_stats()
@@ -155,7 +162,7 @@ def run_training(args: argparse.Namespace) -> int:
         saved = tm.save_checkpoint(ckpt)
         _reset_peak_rss()
         entry_rss = _status_kib("VmRSS") * 1024
-    exit_rss = _peak_rss()  # leaving: the parameters come back; the optimizer state stays in its tier
+    exit_rss = _peak_rss()  # leaving: the swap goes; the weights and optimizer state are in the checkpoint
     peak = s["peak_bytes"]
     steady = times[1:] or times
     print(f"\nGPT training: {args.train_layers} layers x {args.train_width}, {n_params / 1e6:.1f}M parameters, "
@@ -243,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tiermem.demo")
     add_arguments(p)
     p.add_argument("--make-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--train-shape", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.make_checkpoint:
-        make_checkpoint(args.make_checkpoint, args.layers, args.width)
+        make_checkpoint(args.make_checkpoint, args.layers, args.width, train=args.train_shape)
         return 0
     return run(args)
 

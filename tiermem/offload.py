@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -30,6 +30,7 @@ from tiermem.memory import cpu_allocator, trim
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
 from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint
 from tiermem.runtime.runtime import Runtime
+from tiermem.runtime.sources import WeightSources
 from tiermem.runtime.unit import Unit
 from tiermem.runtime.wrap import UnitPlan, WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size
@@ -65,19 +66,29 @@ class OffloadHandle:
         self.optimizer = optimizer  # the stand-in for the optimizer passed in (None when not training)
         self.closed = False  # the context has ended: the parameters are ordinary tensors again, the swap is gone
         self.saved: tuple[str, int] | None = None  # (path, optimizer progress) of the last checkpoint written
+        self.plan: dict[str, Any] = {}  # what goes where and why, as entry chose it (logged at entry)
+
+    def plan_summary(self) -> str:
+        """`plan` in one line: what goes where and why (as logged at entry)."""
+        return _plan_text(self.plan)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise OffloadError(f"{what} after the tiered_offload context has ended; call it inside the `with` block")
 
-    def save_checkpoint(self, path: str | os.PathLike[str], max_shard_bytes: int = 1 << 30) -> str:
+    def save_checkpoint(self, path: str | os.PathLike[str], max_shard_bytes: int = 1 << 30, *,
+                        adapters_only: bool = False) -> str:
         """Write weights (sharded safetensors + index, readable by transformers' from_pretrained), buffers and
-        optimizer state to `path`, streaming unit by unit; atomic (temporary directory, then rename)."""
+        optimizer state to `path`, streaming unit by unit; atomic (temporary directory, then rename).
+
+        With ``adapters_only=True`` (a PEFT model), write only its active adapter in PEFT's own format
+        (adapter_model.safetensors and adapter_config.json), for ``PeftModel.from_pretrained(base, path)``."""
         from tiermem.checkpointing import save_checkpoint
 
         self._check_open("save_checkpoint")
-        final = save_checkpoint(self, path, max_shard_bytes)
-        self.saved = (final, self.optimizer.progress() if self.optimizer is not None else 0)
+        final = save_checkpoint(self, path, max_shard_bytes, adapters_only=adapters_only)
+        if not adapters_only:
+            self.saved = (final, self.optimizer.progress() if self.optimizer is not None else 0)
         return final
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -171,7 +182,8 @@ class OffloadHandle:
 def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
                    checkpoint: str | os.PathLike[str] | None = None, restore: bool = True, prefetch: bool = True,
                    engine: IOEngine | None = None, optimizer: torch.optim.Optimizer | None = None,
-                   restore_optimizer: bool = False, **overrides: Any) -> Iterator[OffloadHandle]:
+                   restore_optimizer: bool = False, init_missing: str | Sequence[str] | None = None,
+                   init_seed: int | None = None, **overrides: Any) -> Iterator[OffloadHandle]:
     """Run `model` with its parameters in tiers (device, host, NVMe) as the config says.
 
     Args:
@@ -179,7 +191,13 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         config: a swap-config: YAML path, dict, Config or None (defaults); see docs/config.md.
         checkpoint: a .safetensors file or *.safetensors.index.json to stream the weights from, for a
             model built on the meta device (one too large for host RAM). Tensors are read one unit at
-            a time straight into swap.
+            a time straight into swap. Names are matched as transformers and PEFT rename them (a
+            ``base_model_prefix``, PEFT's ``base_model.model.`` and ``.base_layer``).
+        init_missing: meta parameters the checkpoint does not have (new LoRA adapters, a new head) that may
+            be initialised as their module would, on the CPU unit by unit: ``"missing"`` for all, or fnmatch
+            patterns of names (``["*.lora_*", "classifier.*"]``). Default None: each one is an error.
+        init_seed: seed of the draws those initialisers make (default: torch's global generator, as
+            ``from_pretrained`` uses); see [Note: weight sources] in tiermem/runtime/sources.py.
         restore: on exit, make the parameters ordinary tensors again (same Parameter objects, same
             values). False leaves them on the meta device (for a model too large to hold in RAM).
         prefetch: False turns off execution-order prefetch (every unit is read when needed).
@@ -217,7 +235,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     try:
         # before the model is packed, so the compute's tensors from the first step on use it (tiermem/memory.py)
         allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
-        runtime = _pack(model, swapper, checkpoint, prefetch, optimizer)
+        runtime = _pack(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed)
         handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
         for mod in model.modules():  # every submodule too: none of them may enter another context
             setattr(mod, _ATTR, handle)
@@ -234,8 +252,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             log.warning("%s.config.use_cache is True: its forward keeps every layer's keys and values until it "
                         "returns, for a cache that training never reads; set model.config.use_cache = False to "
                         "train in less memory", type(model).__name__)
-        log.info("tiered_offload: %d units on %s, params.tier=%s", len(runtime.units), swapper.device,
-                 swapper.config.params.tier)
+        handle.plan = _plan(handle)
+        log.info("tiered_offload plan: %s", handle.plan_summary())
         yield handle
     finally:
         try:
@@ -266,6 +284,51 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
 
 
 # -- entry ------------------------------------------------------------------------------------------
+def _plan(handle: OffloadHandle) -> dict[str, Any]:
+    """The memory plan entry made: bytes and tier of each kind of state, and the host pool's split."""
+    cfg, units, opt = handle.config, handle.units, handle.optimizer
+    plan: dict[str, Any] = {
+        "units": len(units), "device": str(handle.device),
+        "params": {"bytes": sum(u.partition.size for u in units), "tier": cfg.params.tier,
+                   "largest_unit_bytes": max((u.partition.size for u in units), default=0)},
+        "activations": {"tier": cfg.activations.tier, "host_bytes": cfg.activations.host_bytes},
+        "host_budget": handle.swapper.pool.nbytes,
+    }
+    if opt is not None:
+        plan["grads"] = {"bytes": sum(st.grads.size for st in opt.units), "tier": opt.grads_tier,
+                         "why": opt.grads_why}
+        plan["optimizer_state"] = {"bytes": sum(st.state.size for st in opt.units if st.state is not None),
+                                   "tier": cfg.optimizer.tier}
+        plan["host_kept_bytes"], plan["host_step_bytes"] = opt.host_permanent, opt.host_working
+    if cfg.uses_nvme:
+        plan["nvme_paths"] = list(cfg.nvme.paths)
+    return plan
+
+
+def _plan_text(plan: dict[str, Any]) -> str:
+    """The plan in one line, e.g. "6 units on cpu; params 1.2 GiB on nvme (largest unit 96 MiB); ..."."""
+    def where(key: str) -> str:
+        entry = plan[key]
+        return f"{format_size(entry['bytes'])} on {entry['tier']}"
+
+    parts = [f"{plan['units']} units on {plan['device']}",
+             f"params {where('params')} (largest unit {format_size(plan['params']['largest_unit_bytes'])})"]
+    if "grads" in plan:
+        parts.append(f"grads {where('grads')} ({plan['grads']['why']})")
+        parts.append(f"optimizer state {where('optimizer_state')}")
+    act = plan["activations"]
+    parts.append(f"activations in {act['tier']}"
+                 + (f" ({format_size(act['host_bytes'])} of the host budget)" if act["host_bytes"] else ""))
+    pool = f"host budget {format_size(plan['host_budget'])}"
+    if "host_kept_bytes" in plan:
+        pool += (f": {format_size(plan['host_kept_bytes'])} kept for good, {format_size(plan['host_step_bytes'])} "
+                 "for a unit's step")
+    parts.append(pool)
+    if "nvme_paths" in plan:
+        parts.append(f"swap in {', '.join(plan['nvme_paths'])}")
+    return "; ".join(parts)
+
+
 def _delegate(original: torch.optim.Optimizer, tiered: TieredOptimizer) -> dict[str, Any]:
     """Make the original optimizer's step/zero_grad do what tm.optimizer's do; return what to put back."""
     saved: dict[str, Any] = {n: original.__dict__[n] for n in ("step", "zero_grad") if n in original.__dict__}
@@ -284,18 +347,21 @@ def _undelegate(original: torch.optim.Optimizer | None, saved: dict[str, Any]) -
 
 
 def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLike[str] | None,
-          prefetch: bool, optimizer: torch.optim.Optimizer | None = None) -> Runtime:
+          prefetch: bool, optimizer: torch.optim.Optimizer | None = None,
+          init_missing: str | Sequence[str] | None = None, init_seed: int | None = None) -> Runtime:
     cfg = swapper.config
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     tie = getattr(model, "tie_weights", None)
     if ckpt is not None and callable(tie):
         tie()  # as from_pretrained does: a model built empty may not have its ties yet
     plan = plan_units(model, cfg.wrap.classes, cfg.wrap.min_unit_bytes)
-    if ckpt is None:
+    if ckpt is None and init_missing is None:
         meta = [n for n, p in model.named_parameters() if p.is_meta]
         if meta:
             raise OffloadError(f"parameter {meta[0]!r} (and {len(meta) - 1} more) is on the meta device; pass "
                                "checkpoint=PATH to stream its weights, or build the model with real weights")
+    sources = WeightSources(model, ckpt, plan.aliases, init_missing, init_seed)
+    sources.check({fqn: p for up in plan.units for fqn, p in up.params.items()})
     override = dtype_of(cfg.params.dtype)
     _check_fits(plan, swapper, override)
     if optimizer is not None:  # each param group contiguous in every partition: see [Note: training state per unit]
@@ -313,12 +379,16 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
     moved: list[tuple[nn.Module, str, torch.device]] = []
     try:
         try:
-            _move_buffers(model, ckpt, swapper, moved)
-            for index, up in enumerate(plan.units):
-                units.append(_pack_unit(index, up, swapper, ckpt, override, plan.aliases, holders, optimizer))
+            with sources.generator():
+                _move_buffers(model, sources, swapper, moved)
+                for index, up in enumerate(plan.units):
+                    units.append(_pack_unit(index, up, swapper, sources, override, holders, optimizer))
         finally:
             if ckpt is not None:
                 ckpt.close()
+        if sources.initialised:
+            log.info("tiered_offload: initialised %d tensors the checkpoint lacks, as their modules would (e.g. %s)",
+                     len(sources.initialised), ", ".join(sources.initialised[:3]))
         swapper.flush()  # every NVMe partition is on disk before the first forward
         trim()  # the model's own parameter memory is free now: give it back (see tiermem/memory.py)
         swapper.register_pool()  # only now: registering faults in the whole pool (see TensorSwapper.__init__)
@@ -355,17 +425,22 @@ def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | 
         )
 
 
-def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, ckpt: SafetensorsCheckpoint | None,
-               override: torch.dtype | None, aliases: dict[str, str],
-               holders: dict[int, list[tuple[nn.Module, str]]], optimizer: torch.optim.Optimizer | None) -> Unit:
+def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: WeightSources,
+               override: torch.dtype | None, holders: dict[int, list[tuple[nn.Module, str]]],
+               optimizer: torch.optim.Optimizer | None) -> Unit:
     specs = _unit_specs(up, override)
 
     def fill(views: dict[str, torch.Tensor]) -> None:
+        """Each tensor from its source: see [Note: weight sources]."""
+        ckpt = sources.ckpt
+        names = {fqn: sources.checkpoint_name(fqn) for fqn in up.params}
+        made = sources.initialise([f for f, p in up.params.items() if p.is_meta and names[f] is None])
         for fqn, p in up.params.items():
-            if ckpt is not None:
-                ckpt.read_into(swapper.engine, _checkpoint_name(fqn, ckpt, aliases), views[fqn])
+            name = names[fqn]
+            if ckpt is not None and name is not None:
+                ckpt.read_into(swapper.engine, name, views[fqn])
             else:
-                views[fqn].copy_(p.detach())
+                views[fqn].copy_(made[fqn] if fqn in made else p.detach())
 
     part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill)
     unit = Unit(index, up.name, list(up.params.items()), part, swapper.device)
@@ -393,32 +468,32 @@ def _swap_in_optimizer(optimizer: torch.optim.Optimizer | None, replaced: dict[i
         optimizer.state[replaced[id(old)]] = optimizer.state.pop(old)
 
 
-def _checkpoint_name(fqn: str, ckpt: SafetensorsCheckpoint, aliases: dict[str, str]) -> str:
-    if fqn in ckpt.entries:
-        return fqn
-    for alias, target in aliases.items():
-        if target == fqn and alias in ckpt.entries:
-            return alias
-    raise CheckpointError(f"parameter {fqn!r} is not in checkpoint {ckpt.path}; it holds e.g. "
-                          f"{', '.join(list(ckpt.entries)[:5])}. Was it saved from this model?")
-
-
-def _move_buffers(model: nn.Module, ckpt: SafetensorsCheckpoint | None, swapper: TensorSwapper,
+def _move_buffers(model: nn.Module, sources: WeightSources, swapper: TensorSwapper,
                   moved: list[tuple[nn.Module, str, torch.device]]) -> None:
-    """Buffers stay resident on the compute device (they are small); meta buffers come from the checkpoint.
-    Each one moved is added to `moved` with the device to give it back on (the CPU for a meta buffer)."""
+    """Buffers stay resident on the compute device (they are small); meta buffers come from the checkpoint,
+    or their module's initialiser (see [Note: weight sources]). Each one moved is added to `moved` with the
+    device to give it back on (the CPU for a meta buffer)."""
     for mod_name, mod in model.named_modules():
         for name, buf in list(mod._buffers.items()):
             if buf is None:
                 continue
             fqn = f"{mod_name}.{name}" if mod_name else name
             if buf.is_meta:
-                if ckpt is None or fqn not in ckpt.entries:
+                found = sources.checkpoint_name(fqn)
+                if found is not None and sources.ckpt is not None:
+                    real = torch.empty(buf.shape, dtype=buf.dtype)
+                    sources.ckpt.read_into(swapper.engine, found, real)
+                elif name in mod._non_persistent_buffers_set or sources.allowed(fqn):
+                    try:
+                        real = sources.initialise([fqn])[fqn]
+                    except CheckpointError as exc:
+                        raise OffloadError(f"buffer {fqn!r} is on the meta device and not in the checkpoint, and "
+                                           f"cannot be initialised ({exc}); build the model with real buffers "
+                                           "(e.g. accelerate's init_empty_weights(include_buffers=False))") from exc
+                else:
                     raise OffloadError(f"buffer {fqn!r} is on the meta device and not in the checkpoint; build the "
                                        "model with real buffers (e.g. accelerate's init_empty_weights("
-                                       "include_buffers=False))")
-                real = torch.empty(buf.shape, dtype=buf.dtype)
-                ckpt.read_into(swapper.engine, fqn, real)
+                                       "include_buffers=False)), or allow it with init_missing")
                 buf = real
             moved.append((mod, name, buf.device))
             mod._buffers[name] = swapper.mover.tensor_to_device(buf)
@@ -456,7 +531,7 @@ def _restore_units(model: nn.Module, units: list[Unit], swapper: TensorSwapper) 
         try:
             _restore_unit(unit, swapper)
         except Exception as exc:  # noqa: BLE001 - reported below, with every other unit's
-            log.error("could not restore unit %r: %s", unit.name, exc)
+            log.error("could not restore unit %r: %s", unit.name, str(exc))
             lost.append(unit)
             failed.update((fqn, exc) for fqn, _ in unit.params)
     if lost:

@@ -34,7 +34,7 @@ from tiermem.device import check_host
 from tiermem.errors import TiermemError
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
-from tiermem.swap import Layout, Partition, TensorSwapper
+from tiermem.swap import Layout, Partition, TensorSwapper, room_needed
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class UnitOptimState:
     grads_held: bool = False  # the accumulators are acquired for the backward in progress
     on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # fresh gradients still in device memory
     updated: bool = False  # already updated during backward (optimizer.overlap_backward); step() skips it
+    params_end: int = 0  # the update changes no byte of the unit's partition past this (frozen ones come last)
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -117,12 +118,13 @@ class TieredOptimizer(torch.optim.Optimizer):
                          if p.requires_grad and id(p) in self.group_of]
             if trainable:
                 plans.append((unit, trainable, *self._layouts(unit, trainable)))
+        self.grads_tier, self.grads_why = self._choose_grads_tier(units, plans)
         self._check_budget(units, plans)
         swapper.evict_idle()  # host-homed state packs at the top of an empty pool, leaving the rest in one piece
         # host-homed partitions first, all of them, so they sit together at the top of the pool
         cfg = swapper.config
         made: dict[tuple[int, str], Partition | None] = {}
-        for kind in sorted(("grads", "state"), key=lambda k: (cfg.grads.tier if k == "grads" else
+        for kind in sorted(("grads", "state"), key=lambda k: (self.grads_tier if k == "grads" else
                                                              cfg.optimizer.tier) != "cpu"):
             for unit, trainable, grad_specs, state_specs in plans:
                 made[unit.index, kind] = (self._make_grads(unit, grad_specs) if kind == "grads"
@@ -137,28 +139,58 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.load_state_dict(original.state_dict())
 
     # -- set-up -------------------------------------------------------------------------------------
-    def _check_budget(self, units: list[Unit], plans: list[Any]) -> None:
-        """Host-homed partitions stay in the pool for good, and the step holds one unit's parameters,
-        gradients and state at once: the host budget must fit both, or training could not proceed."""
+    def _host_need(self, units: list[Unit], plans: list[Any], grads_tier: str) -> tuple[int, int]:
+        """(bytes that stay in the host pool for good, bytes a unit's step needs besides, whatever the placement
+        of pieces in the pool: `room_needed`) with gradients in `grads_tier`. A unit's update holds its
+        parameters, gradients and state at once; backward its parameters and gradients, plus a staging copy
+        of them where the device has memory of its own."""
         cfg = self.swapper.config
-        budget = self.swapper.partition_budget
         params_in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device" and not self.swapper.mover.copies)
-        in_host = {"params": params_in_host, "grads": cfg.grads.tier == "cpu", "state": cfg.optimizer.tier == "cpu"}
+        in_host = {"params": params_in_host, "grads": grads_tier == "cpu", "state": cfg.optimizer.tier == "cpu"}
         permanent = sum(u.partition.size for u in units) if in_host["params"] else 0
         working = 0
         for unit, _, grad_specs, state_specs in plans:
             sizes = {"params": unit.partition.size, "grads": Layout.of(grad_specs).size,
                      "state": Layout.of(state_specs).size if state_specs else 0}
             permanent += sum(v for k, v in sizes.items() if in_host[k] and k != "params")
-            working = max(working, sum(v for k, v in sizes.items() if not in_host[k]))
-        if permanent + working > budget:
+            moving = {k: v for k, v in sizes.items() if not in_host[k] and v}
+            update = sorted(moving.values(), reverse=True)  # the order _update_unit takes them
+            backward = [moving[k] for k in ("params", "grads") if k in moving]
+            if self.swapper.mover.copies:
+                backward.append(sizes["grads"])  # _gradients_to_host's staging buffer
+            working = max(working, room_needed(update), room_needed(backward))
+        return permanent, working
+
+    def _choose_grads_tier(self, units: list[Unit], plans: list[Any]) -> tuple[str, str]:
+        """grads.tier as set, or for `auto`: host memory when every accumulator fits the host budget beside
+        the step's working set, else NVMe (with the optimizer state there). Returns (tier, why)."""
+        cfg = self.swapper.config
+        if cfg.grads.tier != "auto":
+            return cfg.grads.tier, "grads.tier"
+        if cfg.optimizer.tier != "nvme":
+            return "cpu", "auto: optimizer.tier is cpu"
+        total = sum(Layout.of(g).size for _, _, g, _ in plans)
+        permanent, working = self._host_need(units, plans, "cpu")
+        budget = self.swapper.partition_budget
+        if permanent + working <= budget:
+            return "cpu", f"auto: all {format_size(total)} of accumulators fit the host budget"
+        return "nvme", (f"auto: {format_size(total)} of accumulators and a step's {format_size(working)} do not fit "
+                        f"{self.swapper.budget_text} together")
+
+    def _check_budget(self, units: list[Unit], plans: list[Any]) -> None:
+        """Host-homed partitions stay in the pool for good, and a unit's step needs room besides: the host
+        budget must fit both (`_host_need`), or training could not proceed."""
+        permanent, working = self._host_need(units, plans, self.grads_tier)
+        self.host_permanent, self.host_working = permanent, working
+        if permanent + working > self.swapper.partition_budget:
+            cfg = self.swapper.config
             raise OptimizerError(
                 f"{self.swapper.budget_text} cannot hold the training state: "
-                f"{format_size(permanent)} stays in host memory for good (the tiers set to cpu) and the step needs "
-                f"{format_size(working)} more for one unit's parameters, gradients and optimizer state. Raise "
-                f"memory.host_budget to at least {format_size(2 * working + permanent + cfg.activations.host_bytes)}, "
-                "move tiers to nvme, or use "
-                "smaller units (wrap.classes)"
+                f"{format_size(permanent)} stays in host memory for good (the tiers set to cpu) and a unit's step "
+                f"needs {format_size(working)} more for its parameters, gradients and optimizer state (with room "
+                "for the pieces in use to split the free memory). Raise memory.host_budget to at least "
+                f"{format_size(working + permanent + cfg.activations.host_bytes)}, move tiers to nvme, or "
+                "use smaller units (wrap.classes)"
             )
 
     def _layouts(self, unit: Unit, trainable: list[tuple[str, nn.Parameter, int]]) -> tuple[list[Any], list[Any]]:
@@ -180,7 +212,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         return kinds
 
     def _make_grads(self, unit: Unit, grad_specs: list[Any]) -> Partition:
-        part = self.swapper.add(f"{unit.name}#grads", grad_specs, home=self.swapper.config.grads.tier, zero=True)
+        part = self.swapper.add(f"{unit.name}#grads", grad_specs, home=self.grads_tier, zero=True)
         if self.overlap:  # held only from the unit's backward to its update (unit_grads_done), from the first step
             self.swapper.discard(part)
         return part
@@ -211,7 +243,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             if not ranges or ranges[-1].group != g:
                 ranges.append(GroupRange(g, []))
             ranges[-1].fqns.append(fqn)
-        return UnitOptimState(unit, trainable, grads, state, ranges)
+        slots = {slot.name: slot for slot in unit.partition.layout.slots}
+        end = max(slots[fqn].offset + slots[fqn].nbytes for fqn, _, _ in trainable)
+        return UnitOptimState(unit, trainable, grads, state, ranges, params_end=end)
 
     # -- gradients (called by the runtime during backward) -------------------------------------------
     def accumulate(self, unit_index: int, fqn: str, grad: torch.Tensor) -> None:
@@ -405,14 +439,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         sw = self.swapper
         sw.demote(st.unit.partition)  # a device copy would go stale: the host copy is about to change
         held: list[Partition] = []
+        views: dict[str, dict[str, torch.Tensor]] = {}
         try:
-            params = sw.acquire(st.unit.partition, "host")
-            held.append(st.unit.partition)
-            grads = sw.acquire(st.grads, "host")
-            held.append(st.grads)
-            state = sw.acquire(st.state, "host") if st.state is not None else {}
-            if st.state is not None:
-                held.append(st.state)
+            # largest first: what the entry check (room_needed) counts on, see [Note: host budget]
+            for part in sorted(self._parts(st), key=lambda p: -p.size):
+                views[part.name] = sw.acquire(part, "host")
+                held.append(part)
+            params, grads = views[st.unit.partition.name], views[st.grads.name]
+            state = views[st.state.name] if st.state is not None else {}
             check_host(f"the update of unit {st.unit.name!r}", *params.values(), *grads.values(), *state.values())
             factor = (self._clip_scale or 1.0) / self.scale
             if factor != 1.0:  # unscale (float16) and clip, in one pass
@@ -421,9 +455,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             for rng in st.ranges:
                 self._update_range(st, rng, params, grads, state)
         finally:
-            for part in held:
+            for part in held:  # a unit's frozen parameters are not written back (a LoRA base's weights)
                 sw.release(part, dirty=part is not st.grads or (self._clip_scale or 1.0) / self.scale != 1.0,
-                           tier="host")
+                           tier="host", dirty_end=st.params_end if part is st.unit.partition else None)
 
     def _update_range(self, st: UnitOptimState, rng: GroupRange, params: dict[str, torch.Tensor],
                       grads: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:

@@ -7,9 +7,11 @@ runs in backward when the tensor is needed, acquires the parameter's unit again 
 tensor from the freshly bound parameter. A gradient hook on each trainable parameter acquires its unit
 too, since autograd accumulates into the parameter itself. When autograd has accumulated a gradient, a
 post-accumulate hook moves it into the optimizer's fp32 accumulator and frees it; once every trainable
-parameter of the unit is done the unit is released. Whatever is still held when backward ends is
-released by a callback queued on the autograd engine. A training pass (forward and backward) is one
-pass of the schedule, so backward acquisitions are recorded and prefetched like forward ones.
+parameter of the unit is done the unit is released. A unit with no gradient still to come (frozen, as a
+LoRA base is, or finished) is held only while autograd uses the tensor unpacked from it (`_brief_hold`).
+Whatever is still held when backward ends is released by a callback queued on the autograd engine. A
+training pass (forward and backward) is one pass of the schedule, so backward acquisitions are recorded
+and prefetched like forward ones.
 
 # [Note: acquire and release]
 A forward pre-hook on each hooked module acquires the units that module needs (its own, plus the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -77,6 +80,7 @@ class Runtime:
         self.optimizer: Any = None  # the TieredOptimizer that takes gradients, when training
         self._saved_hooks: Any = None  # the saved_tensors_hooks context, entered for the context's life
         self._bwd_held: set[int] = set()  # units acquired by the backward in progress
+        self._brief_done: list[int] = []  # brief backward holds that ended (appended by finalizers, any thread)
         self._bwd_done: dict[int, int] = {}  # unit -> trainable parameters whose gradient arrived
         self._trainable_count: dict[int, int] = {}  # unit -> parameters that get gradients
         self._in_backward = False
@@ -153,12 +157,33 @@ class Runtime:
             if isinstance(saved, _SavedActivation):
                 return saved.store.unpack(saved)
             return saved
-        self._backward_acquire(saved.unit)
-        p = saved.param
+        self._end_brief_holds()
+        i, p = saved.unit, saved.param
+        if self._bwd_done.get(i) == -1 or not self._trainable_count.get(i, 0):
+            return self._brief_hold(i, saved)
+        self._backward_acquire(i)
         if saved.view is None:
             return p
         size, stride, rel = saved.view
         return p.detach().as_strided(size, stride, p.storage_offset() + rel)
+
+    def _brief_hold(self, i: int, saved: _SavedParam) -> torch.Tensor:
+        """A unit backward needs with no gradient still to come (frozen, as a LoRA base, or already done) is
+        held only while autograd uses the tensor unpacked from it: the tensor's finalizer ends the hold (the
+        compute thread releases it at the next unpack or at the end of backward), so backward never holds
+        more than the units it is working on."""
+        self._start_backward()
+        self.enter(i)
+        p = saved.param.detach()
+        if saved.view is not None:
+            size, stride, rel = saved.view
+            p = p.as_strided(size, stride, p.storage_offset() + rel)
+        weakref.finalize(p, self._brief_done.append, i)
+        return p
+
+    def _end_brief_holds(self) -> None:
+        while self._brief_done:
+            self.exit(self._brief_done.pop(), drop=self.optimizer is not None)
 
     def _start_backward(self) -> None:
         if not self._in_backward:
@@ -203,6 +228,7 @@ class Runtime:
 
     def _backward_end(self) -> None:
         """Runs once when autograd finishes a backward: release what it still holds, end the pass."""
+        self._end_brief_holds()
         for i in sorted(self._bwd_held | {j for j, n in self._bwd_done.items() if n >= 0}):
             self._finish_unit_backward(i)  # units some of whose parameters got no gradient
         self._bwd_done.clear()
