@@ -59,6 +59,7 @@ from _common import (  # bench/ is on sys.path when run as a script
 import tiermem
 from tiermem.benchmark import GIB, system_info
 from tiermem.device import copying_device, copying_device_state
+from tiermem.io.engine import available_backends
 from tiermem.sizes import parse_size
 
 SEED = 0  # the models' initial weights
@@ -426,7 +427,7 @@ def header(device: torch.device, work: str) -> dict[str, Any]:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
-    reason = tiermem.available_backends()["io_uring"]  # io.engine auto: io_uring when usable, else threads
+    reason = available_backends()["io_uring"]  # io.engine auto: io_uring when usable, else threads
     system["io_backend"] = "io_uring" if reason is None else "threads"
     system["io_uring_unusable"] = reason
     if device.type == "cuda":

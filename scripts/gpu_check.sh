@@ -34,8 +34,8 @@ note "system"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PY" - <<'EOF'
 import torch
-import tiermem
-reason = tiermem.available_backends()["io_uring"]
+from tiermem.io.engine import available_backends
+reason = available_backends()["io_uring"]
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), GPU {gpu}, io backend "
       + ("io_uring" if reason is None else f"threads (io_uring not usable: {reason})"))

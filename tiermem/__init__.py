@@ -1,45 +1,55 @@
-"""tiermem: tiered memory for PyTorch (device, pinned host RAM, NVMe swap through io_uring)."""
+"""tiermem: tiered memory for PyTorch (device, pinned host RAM, NVMe swap through io_uring).
 
-from tiermem.config import Config, format_config, load_config
-from tiermem.errors import BudgetError, ConfigError, IOEngineError, StoreError, TiermemError
-from tiermem.io.aio import AsyncEngine
-from tiermem.io.buffers import AlignedBuffer, HostBufferPool
-from tiermem.io.engine import IOEngine, ReadPastEndError, available_backends, create_engine
-from tiermem.io.files import IOFile
-from tiermem.io.future import IOFuture
-from tiermem.offload import OffloadError, OffloadHandle, tiered_offload
-from tiermem.sizes import format_size, parse_size
-from tiermem.store import Extent, SwapStore
-from tiermem.swap import Partition, Residency, SwapStats, TensorSwapper, Tier
+The public face is the entry point (`tiered_offload` and the `OffloadHandle` it yields), its configuration
+(`Config`, `load_config`), the optimizer stand-in (`TieredOptimizer`) and the errors (`TiermemError` and its
+subclasses). The layers below stay importable from their subpackages: `tiermem.io` (engines, buffers, files),
+`tiermem.store` (swap files, extents), `tiermem.swap` (partitions, the tensor swapper), `tiermem.sizes`.
+"""
+
+from tiermem.config import Config, load_config
+from tiermem.errors import (
+    BenchArgError,
+    BudgetError,
+    CheckpointError,
+    ConfigError,
+    CorruptDataError,
+    CPUAllocatorError,
+    DemoArgError,
+    DeviceMismatchError,
+    IOEngineError,
+    IOTimeoutError,
+    OffloadError,
+    OptimizerError,
+    ReadPastEndError,
+    RestoreError,
+    StateError,
+    StoreError,
+    TiermemError,
+)
+from tiermem.offload import OffloadHandle, tiered_offload
+from tiermem.optim import TieredOptimizer
 
 __all__ = [
-    "AlignedBuffer",
-    "AsyncEngine",
+    "BenchArgError",
     "BudgetError",
+    "CPUAllocatorError",
+    "CheckpointError",
     "Config",
     "ConfigError",
-    "Extent",
-    "HostBufferPool",
-    "IOEngine",
+    "CorruptDataError",
+    "DemoArgError",
+    "DeviceMismatchError",
     "IOEngineError",
-    "IOFile",
-    "IOFuture",
-    "ReadPastEndError",
-    "StoreError",
-    "SwapStore",
-    "TiermemError",
-    "TensorSwapper",
-    "Tier",
-    "Partition",
-    "Residency",
-    "SwapStats",
-    "available_backends",
-    "create_engine",
-    "format_config",
-    "format_size",
-    "load_config",
-    "parse_size",
-    "tiered_offload",
-    "OffloadHandle",
+    "IOTimeoutError",
     "OffloadError",
+    "OffloadHandle",
+    "OptimizerError",
+    "ReadPastEndError",
+    "RestoreError",
+    "StateError",
+    "StoreError",
+    "TieredOptimizer",
+    "TiermemError",
+    "load_config",
+    "tiered_offload",
 ]

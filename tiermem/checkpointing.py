@@ -77,9 +77,9 @@ import aiofiles
 import torch
 
 from tiermem.device import check_host
-from tiermem.errors import TiermemError
+from tiermem.errors import CheckpointError, TiermemError
 from tiermem.io.aio import read_bytes
-from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint, SafetensorsWriter
+from tiermem.runtime.checkpoint import SafetensorsCheckpoint, SafetensorsWriter
 
 if TYPE_CHECKING:
     from tiermem.offload import OffloadHandle

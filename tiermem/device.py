@@ -19,11 +19,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from tiermem.errors import ConfigError, TiermemError
-
-
-class DeviceMismatchError(TiermemError):
-    """A device tensor reached code that takes host memory (or the other way round)."""
+from tiermem.errors import ConfigError, DeviceMismatchError
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -41,15 +41,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tiermem.errors import TiermemError
+from tiermem.errors import CPUAllocatorError
 
 log = logging.getLogger(__name__)
 
 _SOURCE = "tm_cpu_alloc.cpp"
-
-
-class CPUAllocatorError(TiermemError):
-    """tiermem's CPU allocator could not be built or put in place."""
 
 
 def _libc_function(name: str) -> Any:

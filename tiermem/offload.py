@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from tiermem.config import Config
-from tiermem.errors import BudgetError, TiermemError
+from tiermem.errors import BudgetError, CheckpointError, OffloadError, RestoreError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.engine import IOEngine
 from tiermem.memory import cpu_allocator, trim
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
-from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint
+from tiermem.runtime.checkpoint import SafetensorsCheckpoint
 from tiermem.runtime.runtime import Runtime
 from tiermem.runtime.sources import WeightSources
 from tiermem.runtime.unit import Unit
@@ -39,19 +39,6 @@ from tiermem.swap import Layout, TensorSwapper
 log = logging.getLogger(__name__)
 
 _ATTR = "_tiermem_offload"  # set on a model while it is inside tiered_offload
-
-
-class OffloadError(TiermemError):
-    """The model cannot be offloaded as asked (already wrapped, meta parameters without a checkpoint...)."""
-
-
-class RestoreError(OffloadError):
-    """Leaving the context, some parameters could not be given back (their bytes could not be read); every
-    other parameter was. `failed` maps each such parameter's name to the error."""
-
-    def __init__(self, message: str, failed: dict[str, BaseException]) -> None:
-        super().__init__(message)
-        self.failed = failed
 
 
 class OffloadHandle:

@@ -10,17 +10,13 @@ from typing import Any
 
 from tiermem.benchmark import BenchSpec, run_benchmark, system_info
 from tiermem.cli.progress import ProgressBar
-from tiermem.errors import TiermemError
+from tiermem.errors import BenchArgError
 from tiermem.io.engine import BACKENDS, available_backends
 from tiermem.sizes import format_size, parse_size, short_repr
 
 DEFAULT_PATH = "/var/tmp/tiermem"
 SWEEP_BLOCK_SIZES = ["128KiB", "512KiB", "1MiB", "4MiB"]
 SWEEP_QUEUE_DEPTHS = [1, 8, 32]
-
-
-class BenchArgError(TiermemError):
-    """A command-line value is wrong."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:

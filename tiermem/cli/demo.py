@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from tiermem.errors import TiermemError
+from tiermem.errors import DemoArgError
 from tiermem.sizes import parse_size
 
 # The size flags, checked before anything is built, so that a bad one is one line naming it, not a traceback.
 SIZE_FLAGS = (("--host-budget", "host_budget"), ("--train-budget", "train_budget"))
-
-
-class DemoArgError(TiermemError):
-    """A command-line value is wrong."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:

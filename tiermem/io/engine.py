@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tiermem.device import check_host
-from tiermem.errors import IOEngineError, TiermemError
+from tiermem.errors import IOEngineError, ReadPastEndError
 from tiermem.io.buffers import as_bytes_view, buffer_address
 from tiermem.io.files import IOFile
 from tiermem.io.future import IOFuture
@@ -31,10 +31,6 @@ DEFAULT_QUEUE_DEPTH = 32
 OP_READ = 0
 OP_WRITE = 1
 RETRYABLE = (errno.EAGAIN, errno.EINTR)  # errno values after which a chunk is simply submitted again
-
-
-class ReadPastEndError(TiermemError, EOFError):
-    """A read asked for bytes beyond the end of the file."""
 
 
 class Chunk:

@@ -6,13 +6,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tiermem.errors import TiermemError
+from tiermem.errors import IOTimeoutError
 
 log = logging.getLogger(__name__)
-
-
-class IOTimeoutError(TiermemError, TimeoutError):
-    """wait(timeout) elapsed before the transfer finished."""
 
 
 class IOFuture:

@@ -31,7 +31,7 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
 from tiermem.device import check_host
-from tiermem.errors import TiermemError
+from tiermem.errors import OptimizerError
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
 from tiermem.swap import Layout, Partition, TensorSwapper, room_needed
@@ -39,10 +39,6 @@ from tiermem.swap import Layout, Partition, TensorSwapper, room_needed
 log = logging.getLogger(__name__)
 
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
-
-
-class OptimizerError(TiermemError):
-    """The optimizer cannot be offloaded as given."""
 
 
 @dataclass
@@ -441,8 +437,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         held: list[Partition] = []
         views: dict[str, dict[str, torch.Tensor]] = {}
         try:
-            # largest first: what the entry check (room_needed) counts on, see [Note: host budget]
-            for part in sorted(self._parts(st), key=lambda p: -p.size):
+            for part in self._update_order(st):
                 views[part.name] = sw.acquire(part, "host")
                 held.append(part)
             params, grads = views[st.unit.partition.name], views[st.grads.name]
@@ -458,6 +453,18 @@ class TieredOptimizer(torch.optim.Optimizer):
             for part in held:  # a unit's frozen parameters are not written back (a LoRA base's weights)
                 sw.release(part, dirty=part is not st.grads or (self._clip_scale or 1.0) / self.scale != 1.0,
                            tier="host", dirty_end=st.params_end if part is st.unit.partition else None)
+
+    def _update_order(self, st: UnitOptimState) -> list[Partition]:
+        """The order the update takes a unit's partitions in: those in host memory already first (so making
+        room for the others never evicts them, to read them again at once), then the largest first, when
+        the host budget has room for that order whatever the placement (`room_needed`); else largest
+        first, what the entry check counted on (see [Note: host budget])."""
+        largest_first = sorted(self._parts(st), key=lambda p: -p.size)
+        there = [p for p in largest_first if self.swapper.holds_host(p)]
+        order = there + [p for p in largest_first if p not in there]
+        if self.host_permanent + room_needed([p.size for p in order]) <= self.swapper.partition_budget:
+            return order
+        return largest_first
 
     def _update_range(self, st: UnitOptimState, rng: GroupRange, params: dict[str, torch.Tensor],
                       grads: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:

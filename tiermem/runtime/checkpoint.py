@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermem.device import check_host
-from tiermem.errors import TiermemError
+from tiermem.errors import CheckpointError
 from tiermem.io.engine import IOEngine
 from tiermem.io.files import IOFile
 
@@ -35,10 +35,6 @@ _DTYPES = {
 _NAMES.update({v: k for k, v in _DTYPES.items()})
 MAX_HEADER = 100 << 20
 CHUNK = 4 << 20  # bytes per read when checksumming a file
-
-
-class CheckpointError(TiermemError):
-    """A checkpoint is missing, unreadable, corrupt, or does not match the model."""
 
 
 @dataclass(frozen=True)

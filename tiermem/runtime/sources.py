@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiermem.runtime.checkpoint import CheckpointError, SafetensorsCheckpoint
+from tiermem.errors import CheckpointError
+from tiermem.runtime.checkpoint import SafetensorsCheckpoint
 
 log = logging.getLogger(__name__)
 

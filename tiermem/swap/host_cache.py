@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tiermem.config import Config
-from tiermem.errors import BudgetError, StoreError
+from tiermem.errors import BudgetError, CorruptDataError, StoreError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.buffers import HostBufferPool, PoolBuffer, align_up
 from tiermem.io.engine import IOEngine, create_engine
@@ -43,10 +43,6 @@ if TYPE_CHECKING:
     from tiermem.swap.transfers import DeviceMover
 
 log = logging.getLogger(__name__)
-
-
-class CorruptDataError(StoreError):
-    """Bytes read back from NVMe do not match the checksum written with them."""
 
 
 def done_future() -> IOFuture:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiermem.errors import TiermemError
+from tiermem.errors import StateError
 from tiermem.swap.layout import Layout
 from tiermem.swap.state import DeviceState, HostState, Residency, Tier
 
@@ -21,10 +21,6 @@ if TYPE_CHECKING:
     from tiermem.io.future import IOFuture
     from tiermem.store import Extent
     from tiermem.swap.ledger import Ledger
-
-
-class StateError(TiermemError):
-    """A partition was used in a state that does not allow it (e.g. its tensors read while on NVMe)."""
 
 
 class Partition:

@@ -28,16 +28,16 @@ import torch
 
 from tiermem.config import Config, load_config
 from tiermem.device import resolve_device
-from tiermem.errors import BudgetError, StoreError
+from tiermem.errors import BudgetError, CorruptDataError, StateError, StoreError
 from tiermem.io.buffers import HostBufferPool
 from tiermem.io.engine import IOEngine
 from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size
 from tiermem.store import SwapStore
-from tiermem.swap.host_cache import CorruptDataError, HostCache, done_future
+from tiermem.swap.host_cache import HostCache, done_future
 from tiermem.swap.layout import Layout
 from tiermem.swap.ledger import Ledger, LedgerSnapshot
-from tiermem.swap.partition import Partition, StateError
+from tiermem.swap.partition import Partition
 from tiermem.swap.state import DeviceState, HostState, Tier
 from tiermem.swap.transfers import make_mover
 
