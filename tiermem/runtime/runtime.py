@@ -9,9 +9,10 @@ too, since autograd accumulates into the parameter itself. When autograd has acc
 post-accumulate hook moves it into the optimizer's fp32 accumulator and frees it; once every trainable
 parameter of the unit is done the unit is released. A unit with no gradient still to come (frozen, as a
 LoRA base is, or finished) is held only while autograd uses the tensor unpacked from it (`_brief_hold`).
-Whatever is still held when backward ends is released by a callback queued on the autograd engine. A
-training pass (forward and backward) is one pass of the schedule, so backward acquisitions are recorded
-and prefetched like forward ones.
+Whatever is still held when backward ends is released by a callback queued on the autograd engine; a
+backward that raised never runs it, so the next backward or forward gives back what that one held
+(`_abandon_backward`). A training pass (forward and backward) is one pass of the schedule, so
+backward acquisitions are recorded and prefetched like forward ones.
 
 # [Note: acquire and release]
 A forward pre-hook on each hooked module acquires the units that module needs (its own, plus the
@@ -84,6 +85,7 @@ class Runtime:
         self._bwd_done: dict[int, int] = {}  # unit -> trainable parameters whose gradient arrived
         self._trainable_count: dict[int, int] = {}  # unit -> parameters that get gradients
         self._in_backward = False
+        self._backward_task = -1  # autograd's id of the backward in progress
         self._awaiting_backward = False  # a grad-enabled forward ended; its pass ends with its backward
         self._distance: tuple[int, dict[int, int]] = (-1, {})  # (cursor, unit -> acquisitions until next use)
         self.activations: ActivationStore | None = None  # saved activations on NVMe (activations.tier)
@@ -186,9 +188,26 @@ class Runtime:
             self.exit(self._brief_done.pop(), drop=self.optimizer is not None)
 
     def _start_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._in_backward and task != self._backward_task:
+            self._abandon_backward()  # the last backward raised, so it never reached its end callback
         if not self._in_backward:
             self._in_backward = True
+            self._backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _abandon_backward(self) -> None:
+        """Autograd drops the end callback of a backward that raised (a read that failed, a Ctrl-C): give back
+        what that backward held before the next pass needs the room, without updating anything."""
+        self._end_brief_holds()
+        for i in sorted(self._bwd_held):
+            if self.optimizer is not None:
+                self.optimizer.finish_grads(i)  # lets go of the unit's accumulators; zero_grad clears them
+            self.exit(i, drop=True)
+        self._bwd_held.clear()
+        self._bwd_done.clear()
+        self._in_backward = False
+        self._awaiting_backward = False
 
     def _backward_acquire(self, i: int) -> None:
         self._start_backward()
@@ -252,6 +271,8 @@ class Runtime:
         return post
 
     def _pass_begin(self, module: nn.Module, args: Any) -> None:
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._abandon_backward()  # a forward outside any backward: the last backward raised
         if self._pass_depth == 0 and self._awaiting_backward:  # the last forward's backward never came
             self._awaiting_backward = False
             self._finish_pass()
