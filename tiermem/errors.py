@@ -19,6 +19,7 @@ old names, e.g. `tiermem.offload.RestoreError`)::
     ├── OffloadError
     │   └── RestoreError
     ├── OptimizerError
+    ├── RanksError
     ├── BenchArgError
     └── DemoArgError
 """
@@ -102,6 +103,11 @@ class OptimizerError(TiermemError):
     """The optimizer cannot be offloaded as given (unsupported type, parameters outside the model, training
     state larger than the host budget allows), or was used in a way the tiered optimizer does not support
     (add_param_group inside the context, mismatched load_state_dict, clip_grad_norm_ with overlap_backward)."""
+
+
+class RanksError(TiermemError):
+    """The ranks of a torch.distributed process group disagree at entry (configs, model shapes), so sharding
+    across them would silently mix different models."""
 
 
 class BenchArgError(TiermemError):

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,7 +24,8 @@ import torch
 from torch import nn
 
 from tiermem.config import Config
-from tiermem.errors import BudgetError, CheckpointError, OffloadError, RestoreError
+from tiermem.distributed import Ranks, chunk_specs
+from tiermem.errors import BudgetError, CheckpointError, OffloadError, RestoreError, StoreError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.engine import IOEngine
 from tiermem.memory import cpu_allocator, trim
@@ -170,7 +172,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                    checkpoint: str | os.PathLike[str] | None = None, restore: bool = True, prefetch: bool = True,
                    engine: IOEngine | None = None, optimizer: torch.optim.Optimizer | None = None,
                    restore_optimizer: bool = False, init_missing: str | Sequence[str] | None = None,
-                   init_seed: int | None = None, **overrides: Any) -> Iterator[OffloadHandle]:
+                   init_seed: int | None = None, process_group: Any = None,
+                   **overrides: Any) -> Iterator[OffloadHandle]:
     """Run `model` with its parameters in tiers (device, host, NVMe) as the config says.
 
     Args:
@@ -185,6 +188,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             patterns of names (``["*.lora_*", "classifier.*"]``). Default None: each one is an error.
         init_seed: seed of the draws those initialisers make (default: torch's global generator, as
             ``from_pretrained`` uses); see [Note: weight sources] in tiermem/runtime/sources.py.
+        process_group: the torch.distributed group to shard over (default: the default group once
+            torch.distributed is initialised, e.g. under torchrun). With N ranks each keeps 1/N of every
+            parameter, gradient and optimizer state in its own tiers; see [Note: sharding] in
+            tiermem/distributed.py. Every rank enters with the same model and config.
         restore: on exit, make the parameters ordinary tensors again (same Parameter objects, same
             values). False leaves them on the meta device (for a model too large to hold in RAM).
         prefetch: False turns off execution-order prefetch (every unit is read when needed).
@@ -214,15 +221,27 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
         raise OffloadError(f"optimizer: {type(optimizer).__name__} is not supported under tiered_offload; use one "
                            f"of {names}")
+    ranks = Ranks.of(process_group)
     swapper = TensorSwapper(config, engine=engine, **overrides)
     swapper.defer_registration = True  # until the model's parameters are packed (_pack registers the pool)
+    if ranks.sharded:
+        try:
+            settings = dataclasses.asdict(swapper.config)
+            settings["nvme"].pop("paths", None)  # each rank may have drives of its own
+            settings.pop("origin", None)  # where the config came from, which names the paths too
+            ranks.check_same("the config", repr(settings))
+            ranks.check_same("the model's parameters (names, shapes, dtypes)",
+                             repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]))
+        except BaseException:
+            swapper.close()
+            raise
     handle: OffloadHandle | None = None
     patched: dict[str, Any] = {}
     allocator = ExitStack()
     try:
         # before the model is packed, so the compute's tensors from the first step on use it (tiermem/memory.py)
         allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
-        runtime = _pack(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed)
+        runtime = _pack(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed, ranks)
         handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
         for mod in model.modules():  # every submodule too: none of them may enter another context
             setattr(mod, _ATTR, handle)
@@ -335,7 +354,8 @@ def _undelegate(original: torch.optim.Optimizer | None, saved: dict[str, Any]) -
 
 def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLike[str] | None,
           prefetch: bool, optimizer: torch.optim.Optimizer | None = None,
-          init_missing: str | Sequence[str] | None = None, init_seed: int | None = None) -> Runtime:
+          init_missing: str | Sequence[str] | None = None, init_seed: int | None = None,
+          ranks: Ranks | None = None) -> Runtime:
     cfg = swapper.config
     ckpt = SafetensorsCheckpoint(checkpoint) if checkpoint is not None else None
     tie = getattr(model, "tie_weights", None)
@@ -369,7 +389,8 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
             with sources.generator():
                 _move_buffers(model, sources, swapper, moved)
                 for index, up in enumerate(plan.units):
-                    units.append(_pack_unit(index, up, swapper, sources, override, holders, optimizer))
+                    units.append(_pack_unit(index, up, swapper, sources, override, holders, optimizer,
+                                            ranks or Ranks()))
         finally:
             if ckpt is not None:
                 ckpt.close()
@@ -414,23 +435,35 @@ def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | 
 
 def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: WeightSources,
                override: torch.dtype | None, holders: dict[int, list[tuple[nn.Module, str]]],
-               optimizer: torch.optim.Optimizer | None) -> Unit:
-    specs = _unit_specs(up, override)
+               optimizer: torch.optim.Optimizer | None, ranks: Ranks) -> Unit:
+    whole = _unit_specs(up, override)
+    specs = chunk_specs(ranks, whole) if ranks.sharded else whole  # this rank's share: see [Note: sharding]
+    shapes = dict(whole)
 
     def fill(views: dict[str, torch.Tensor]) -> None:
-        """Each tensor from its source: see [Note: weight sources]."""
+        """Each tensor from its source: see [Note: weight sources]; with several ranks, this rank's chunk."""
         ckpt = sources.ckpt
         names = {fqn: sources.checkpoint_name(fqn) for fqn in up.params}
         made = sources.initialise([f for f, p in up.params.items() if p.is_meta and names[f] is None])
         for fqn, p in up.params.items():
             name = names[fqn]
-            if ckpt is not None and name is not None:
-                ckpt.read_into(swapper.engine, name, views[fqn])
+            if not ranks.sharded:
+                if ckpt is not None and name is not None:
+                    ckpt.read_into(swapper.engine, name, views[fqn])
+                else:
+                    views[fqn].copy_(made[fqn] if fqn in made else p.detach())
+                continue
+            if ckpt is not None and name is not None:  # the whole tensor once, then this rank's chunk
+                src = torch.empty(shapes[fqn].shape, dtype=shapes[fqn].dtype)
+                ckpt.read_into(swapper.engine, name, src)
             else:
-                views[fqn].copy_(made[fqn] if fqn in made else p.detach())
+                src = made[fqn] if fqn in made else p.detach()
+            start, end = ranks.my_range(src.numel())
+            views[fqn][: end - start].copy_(src.reshape(-1)[start:end])
 
-    part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill)
-    unit = Unit(index, up.name, list(up.params.items()), part, swapper.device)
+    part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill, zero=ranks.sharded)
+    unit = Unit(index, up.name, list(up.params.items()), part, swapper.device, ranks,
+                Layout.of(whole) if ranks.sharded else None)
     replaced: dict[int, nn.Parameter] = {}
     for k, (fqn, p) in enumerate(unit.params):
         if p.is_meta:  # a meta tensor cannot take real storage through .data: give it a real Parameter
@@ -512,6 +545,8 @@ def _restore_units(model: nn.Module, units: list[Unit], swapper: TensorSwapper) 
     names of the parameters that could not be restored (made meta-device Parameters, shapes kept), with why."""
     failed: dict[str, BaseException] = {}
     lost: list[Unit] = []
+    if units and units[0].ranks.sharded:
+        return _restore_sharded(model, units, swapper)
     # the units in host memory first: reading the others may evict them, and a failing drive could not give
     # an evicted one back
     for unit in sorted(units, key=lambda u: not swapper.holds_host(u.partition)):
@@ -521,6 +556,40 @@ def _restore_units(model: nn.Module, units: list[Unit], swapper: TensorSwapper) 
             log.error("could not restore unit %r: %s", unit.name, str(exc))
             lost.append(unit)
             failed.update((fqn, exc) for fqn, _ in unit.params)
+    if lost:
+        _to_meta(model, lost)
+    return failed
+
+
+def _restore_sharded(model: nn.Module, units: list[Unit], swapper: TensorSwapper) -> dict[str, BaseException]:
+    """`_restore_units` with several ranks: every rank gathers every unit, in unit order, so the collectives
+    pair up even where a rank cannot read its chunk (it sends zeros); a unit any rank could not read is then
+    lost on all of them, named."""
+    errors: dict[int, BaseException] = {}
+    for unit in units:
+        try:
+            swapper.acquire(unit.partition, "host")
+            mine, held = unit.partition.flat("host"), True
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors[unit.index] = exc
+            mine, held = torch.zeros(unit.partition.size, dtype=torch.uint8), False
+        try:
+            whole = unit.gather(mine, torch.empty(unit.whole.size, dtype=torch.uint8))
+        finally:
+            if held:
+                swapper.release(unit.partition, tier="host")
+        with torch.no_grad():
+            for (fqn, p), (dtype, device) in zip(unit.params, unit.orig, strict=True):
+                device = torch.device("cpu") if device.type == "meta" else device
+                p.data = whole[fqn].to(device=device, dtype=dtype, copy=True)
+    bad = torch.tensor([float(u.index in errors) for u in units])
+    units[0].ranks.all_reduce(bad, "max")
+    lost = [u for u, b in zip(units, bad.tolist(), strict=True) if b]
+    failed: dict[str, BaseException] = {}
+    for unit in lost:
+        why = errors.get(unit.index) or StoreError(f"another rank could not read its share of unit {unit.name!r}")
+        log.error("could not restore unit %r: %s", unit.name, str(why))
+        failed.update((fqn, why) for fqn, _ in unit.params)
     if lost:
         _to_meta(model, lost)
     return failed

@@ -344,6 +344,8 @@ class Runtime:
         try:
             # this unit's read is queued first; the window's reads start once it is marked in use
             tensors = self.swapper.acquire(part, "device", before_wait=lambda: self._prefetch(window))
+            if unit.ranks.sharded:  # this rank's chunks: gather the unit whole (see [Note: sharding])
+                tensors = self._gather(unit)
         except BaseException:
             unit.depth -= 1
             raise
@@ -355,6 +357,15 @@ class Runtime:
                 self.swapper.demote(self.units[j].partition)
                 self._on_device.discard(j)
 
+    def _gather(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Unit `unit` whole on the device, from every rank's chunks; the memory goes when it is unbound."""
+        try:
+            mine = unit.partition.flat("device")
+            return unit.gather(mine, self.swapper.mover.empty(unit.whole.size))
+        except BaseException:
+            self.swapper.release(unit.partition, tier="device")
+            raise
+
     def exit(self, i: int, *, dirty: bool = False, drop: bool = False) -> None:
         """Release unit `i`, keeping it on the device if the window needs it again (unless `drop`)."""
         unit = self.units[i]
@@ -363,6 +374,8 @@ class Runtime:
         unit.depth -= 1
         if unit.depth > 0:
             return
+        if dirty and unit.ranks.sharded:  # edits to the gathered unit (tm.gathered()): keep this rank's chunks
+            unit.keep_chunks()
         unit.unbind()
         if torch.is_autocast_enabled(self.swapper.device.type):
             # autocast caches the low-precision copy of each parameter by the Parameter object until the

@@ -10,18 +10,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tiermem.swap import Partition
+from tiermem.distributed import Ranks, gather_unit
+from tiermem.swap import Layout, Partition
 
 
 class Unit:
-    """One unit of the model at run time."""
+    """One unit of the model at run time. With several ranks its partition holds this rank's chunk of each
+    parameter, and `whole` lays the unit out whole (see [Note: sharding] in tiermem/distributed.py)."""
 
     def __init__(self, index: int, name: str, params: list[tuple[str, nn.Parameter]], partition: Partition,
-                 device: torch.device) -> None:
+                 device: torch.device, ranks: Ranks | None = None, whole: Layout | None = None) -> None:
         self.index = index
         self.name = name
         self.params = params  # (FQN, Parameter): the Parameter objects the model and optimizers hold
         self.partition = partition
+        self.ranks = ranks if ranks is not None else Ranks()
+        self.whole = whole if whole is not None else partition.layout  # the unit's tensors, whole
         self.depth = 0  # nested acquisitions in progress (a unit's modules may call each other)
         dtypes = {slot.name: slot.dtype for slot in partition.layout.slots}  # storage dtype (params.dtype)
         self.placeholders = [torch.empty(0, dtype=dtypes[fqn], device=device) for fqn, _ in params]
@@ -32,8 +36,22 @@ class Unit:
     def nbytes(self) -> int:
         return self.partition.size
 
+    def gather(self, mine: torch.Tensor, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The unit whole, from this rank's partition `mine` (its flat bytes) and every other rank's, written
+        into `out` (`whole.size` bytes on the same device): its tensors by name."""
+        gather_unit(self.ranks, mine, self.partition.layout, self.whole, out)
+        return self.whole.views(out)
+
+    def keep_chunks(self) -> None:
+        """Copy this rank's chunk of each bound (gathered) parameter back into the partition's device views."""
+        mine = self.partition.tensors("device")
+        with torch.no_grad():
+            for fqn, p in self.params:
+                start, end = self.ranks.my_range(p.numel())
+                mine[fqn][: end - start].copy_(p.data.reshape(-1)[start:end])
+
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Point every parameter at its view in the partition."""
+        """Point every parameter at its view in the partition (or in the gathered unit)."""
         with torch.no_grad():
             for fqn, p in self.params:
                 p.data = tensors[fqn]

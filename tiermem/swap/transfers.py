@@ -28,8 +28,8 @@ class DeviceMover:
         self.device = device
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        """A new uint8 device tensor of `nbytes` (only for movers that copy)."""
-        raise NotImplementedError
+        """A new uint8 device tensor of `nbytes` (on the CPU device, host memory outside the pool)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         """Start copying `host` (uint8) to a new device tensor; return it and the event marking it done."""

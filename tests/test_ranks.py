@@ -1,0 +1,103 @@
+"""Several ranks (gloo on the CPU, two processes per test): sharding, gathering and reduce-scattering units."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ranks import run_ranks
+from tiermem.distributed import Ranks, chunk_specs, gather_unit, scatter_sum
+from tiermem.swap import Layout
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _specs() -> list[tuple[str, torch.Tensor]]:
+    return [("a", torch.empty(5, 3, device="meta")), ("b", torch.empty(7, dtype=torch.float32, device="meta")),
+            ("c", torch.empty(2, 2, dtype=torch.float32, device="meta"))]
+
+
+def _values() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.randn(t.shape, generator=g) for name, t in _specs()}
+
+
+def _gather_and_scatter(rank: int, world: int, folder: Path) -> None:
+    ranks = Ranks.of()
+    assert (ranks.rank, ranks.world) == (rank, world)
+    full = Layout.of(_specs())
+    chunks = Layout.of(chunk_specs(ranks, _specs()))
+    values = _values()
+    mine = torch.zeros(chunks.size, dtype=torch.uint8)
+    views = chunks.views(mine)
+    for name, t in values.items():
+        start, end = ranks.my_range(t.numel())
+        views[name][: end - start].copy_(t.reshape(-1)[start:end])
+    out = torch.zeros(full.size, dtype=torch.uint8)
+    gather_unit(ranks, mine, chunks, full, out)
+    for name, t in full.views(out).items():
+        assert torch.equal(t, values[name]), name
+    # each rank contributes (rank + 1) * value: the mean over ranks is value * (world + 1) / 2
+    grads = torch.zeros(chunks.size, dtype=torch.uint8)
+    scatter_sum(ranks, {n: v * (rank + 1) for n, v in values.items()}, chunks, grads)
+    got = chunks.views(grads)
+    for name, t in values.items():
+        start, end = ranks.my_range(t.numel())
+        want = t.reshape(-1)[start:end] * (world + 1) / 2
+        torch.testing.assert_close(got[name][: end - start], want)
+        assert not got[name][end - start :].any()  # the padding stays zero
+
+
+def test_a_unit_gathered_from_two_ranks_chunks_is_whole_and_gradients_reduce_to_each_ranks_chunk(tmp_path) -> None:
+    """Each rank holds chunk r of every tensor; all-gathering gives every tensor whole on each rank, and
+    reduce-scattering whole gradients leaves each rank the mean of its chunks, padding zero."""
+    run_ranks(_gather_and_scatter, 2, tmp_path)
+
+
+def _offload_cfg(folder: Path, rank: int, **extra: object) -> dict[str, object]:
+    out: dict[str, object] = {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme",
+                              "nvme.paths": [str(folder / f"swap{rank}")], "memory.host_budget": "2MiB",
+                              "wrap.min_unit_bytes": "64KiB", "io.block_size": "256KiB"}
+    out.update(extra)
+    return out
+
+
+def _gpt2() -> torch.nn.Module:
+    from tests import models
+
+    model = models.gpt2(layers=3, width=128, vocab=500)
+    model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+    model.config.use_cache = False
+    return model
+
+
+def _forward(rank: int, world: int, folder: Path) -> None:
+    from tiermem import tiered_offload
+
+    model = _gpt2()
+    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    with tiered_offload(model, **_offload_cfg(folder, rank, **{"memory.host_budget": "64MiB"})) as tm:
+        for _ in range(2):
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, ref)
+        peak = tm.stats()["peak_bytes"]
+    torch.save({"nvme": peak["nvme"], "host": peak["host"]}, folder / f"stats{rank}.pt")
+    for p, q in zip(model.parameters(), _gpt2().parameters(), strict=True):
+        assert torch.equal(p, q)  # restored whole on every rank
+
+
+def test_two_ranks_each_hold_half_and_compute_what_one_process_computes(tmp_path) -> None:
+    """Inference under two ranks: each rank keeps its half of every unit on its NVMe tier, gathers units to
+    compute, and gets the logits of the model in memory; each rank's NVMe and host-tier bytes are half of a
+    single process's (within 5%), and leaving gives every rank the whole model back."""
+    run_ranks(_forward, 2, tmp_path / "two")
+    _forward(0, 1, tmp_path / "one")  # no process group here: one rank, the whole units
+    one = torch.load(tmp_path / "one" / "stats0.pt")
+    for rank in range(2):
+        got = torch.load(tmp_path / "two" / f"stats{rank}.pt")
+        for key in ("nvme", "host"):
+            assert abs(got[key] - one[key] / 2) <= 0.05 * one[key] / 2, (rank, key, got[key], one[key])

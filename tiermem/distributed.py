@@ -1,0 +1,132 @@
+"""Several ranks: each unit's parameters, gradients and optimizer state split across the ranks of a
+torch.distributed process group (ZeRO-3), each rank's share in its own tiers.
+
+# [Note: sharding]
+With a process group of N ranks (the default group once `torch.distributed` is initialised, e.g. under
+`torchrun`, or `process_group=`), every parameter of a unit is cut into N equal chunks of
+ceil(numel / N) elements, the last one padded with zeros; rank r keeps chunk r of each. So a rank's
+partition of a unit is the unit's parameters as 1-D chunks, packed as any partition is, and its gradient
+and optimizer-state partitions are laid out from the same chunks: the update is the same elementwise
+arithmetic on 1/N of the elements, and padding (zero parameters, zero gradients, zero state) stays zero.
+
+Forward and backward gather a unit before it computes: one `all_gather_into_tensor` of the ranks'
+partitions, then each parameter is copied out of the N rows into the unit's full layout on the device;
+the full copy goes when the unit is released. After a unit's backward its gradients are laid out in N
+rows the same way and `reduce_scatter_tensor` leaves each rank the sum of its chunks, divided by N (the
+average DDP takes). The gradient norm for clipping and the float16 overflow check are all-reduced.
+
+Checkpoints hold whole tensors, gathered unit by unit and written by rank 0, so any number of ranks (one
+included) loads them, each reading its chunks. Every rank checks at entry that all ranks run the same
+config and model shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiermem.errors import RanksError
+from tiermem.swap import Layout
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The process group tiermem shards over: this rank and how many there are (1: no sharding)."""
+
+    group: Any = None
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def of(cls, group: Any = None) -> Ranks:
+        """`group`, else the default process group when torch.distributed is initialised, else one rank."""
+        import torch.distributed as dist
+
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            return cls()
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+    def chunk(self, numel: int) -> int:
+        """Elements of each rank's chunk of a tensor of `numel` elements."""
+        return -(-numel // self.world)
+
+    def my_range(self, numel: int) -> tuple[int, int]:
+        """[start, end) of this rank's elements of a tensor of `numel` (end - start may be short or 0)."""
+        c = self.chunk(numel)
+        start = min(self.rank * c, numel)
+        return start, min(start + c, numel)
+
+    # -- collectives ----------------------------------------------------------------------------------
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.all_gather_into_tensor(out, mine, group=self.group)
+
+    def reduce_scatter_mean(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.reduce_scatter_tensor(out, rows, group=self.group)  # SUM: gloo has no AVG
+        out.div_(self.world)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
+    def check_same(self, what: str, value: str) -> None:
+        """Raise RanksError on every rank unless all ranks pass the same `value` (e.g. a config's text)."""
+        import torch.distributed as dist
+
+        digest = hashlib.sha256(value.encode()).hexdigest()[:16]
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, digest, group=self.group)
+        odd = [r for r, d in enumerate(every) if d != every[0]]
+        if odd:
+            raise RanksError(f"{what} differs between ranks: rank 0 and rank(s) {odd} disagree; every rank must "
+                             "enter tiered_offload with the same config and the same model")
+
+
+# -- the layout of a rank's share ------------------------------------------------------------------------
+def chunk_specs(ranks: Ranks, specs: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A rank's chunk of each tensor in `specs` (meta tensors): 1-D, ceil(numel / N) elements, same dtype."""
+    return [(name, torch.empty(ranks.chunk(t.numel()), dtype=t.dtype, device="meta")) for name, t in specs]
+
+
+def gather_unit(ranks: Ranks, mine: torch.Tensor, chunks: Layout, full: Layout, out: torch.Tensor) -> None:
+    """All-gather the ranks' partitions (`mine`: this rank's, laid out as `chunks`) and write each tensor
+    whole into `out` (uint8, laid out as `full`), on the device `mine` is on."""
+    rows = torch.empty(ranks.world * chunks.size, dtype=torch.uint8, device=mine.device)
+    ranks.all_gather(rows, mine[: chunks.size])
+    rows2 = rows.view(ranks.world, chunks.size)
+    for c, f in zip(chunks.slots, full.slots, strict=True):
+        whole = rows2[:, c.offset : c.offset + c.nbytes].reshape(-1)  # rank 0's chunk, then rank 1's, ...
+        out[f.offset : f.offset + f.nbytes].copy_(whole[: f.nbytes])
+
+
+def scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layout, out: torch.Tensor) -> None:
+    """Reduce-scatter whole tensors (fp32, by name): `out` (fp32 bytes laid out as `chunks`) gets this rank's
+    chunk of each, averaged over the ranks. Names missing from `whole` count as zeros."""
+    rows = torch.zeros(ranks.world, chunks.size // 4, dtype=torch.float32, device=out.device)
+    for c in chunks.slots:
+        g = whole.get(c.name)
+        if g is None:
+            continue
+        n = c.nbytes // 4
+        padded = torch.zeros(ranks.world * n, dtype=torch.float32, device=out.device)
+        padded[: g.numel()].copy_(g.reshape(-1))
+        rows[:, c.offset // 4 : c.offset // 4 + n].copy_(padded.view(ranks.world, n))
+    ranks.reduce_scatter_mean(out.view(torch.float32)[: chunks.size // 4], rows.view(-1))
