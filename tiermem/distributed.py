@@ -68,12 +68,14 @@ class Ranks:
     def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        dist.all_gather_into_tensor(out, mine, group=self.group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
+        gather(out, mine, group=self.group)
 
     def reduce_scatter_mean(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        dist.reduce_scatter_tensor(out, rows, group=self.group)  # SUM: gloo has no AVG
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(out, rows, group=self.group)  # SUM: gloo has no AVG
         out.div_(self.world)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -31,6 +31,7 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
 from tiermem.device import check_host
+from tiermem.distributed import scatter_sum
 from tiermem.errors import OptimizerError
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
@@ -190,7 +191,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             )
 
     def _layouts(self, unit: Unit, trainable: list[tuple[str, nn.Parameter, int]]) -> tuple[list[Any], list[Any]]:
-        shapes = dict(zip([f for f, _ in unit.params], unit.shapes, strict=True))
+        # the shapes the unit's partition holds: whole tensors, or with several ranks this rank's chunks
+        shapes = {slot.name: slot.shape for slot in unit.partition.layout.slots}
         grad_specs = [(fqn, torch.empty(shapes[fqn], dtype=torch.float32, device="meta")) for fqn, _, _ in trainable]
         state_specs = [(f"{k}.{fqn}", t) for k in self._state_kinds() for fqn, t in grad_specs]
         return grad_specs, state_specs
@@ -248,7 +250,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Take one parameter's fresh gradient: on a device with memory of its own it waits there until the
         unit's backward is over (see `finish_grads`); on the CPU it is added into its fp32 accumulator now."""
         st = self.by_unit[unit_index]
-        if self.swapper.mover.copies:
+        if self.swapper.mover.copies or st.unit.ranks.sharded:  # reduce-scattered with the unit's others
             st.on_device[fqn] = grad
             return
         grads = self._hold_grads(st)
@@ -294,26 +296,36 @@ class TieredOptimizer(torch.optim.Optimizer):
         names = list(fresh)
         mover = self.swapper.mover
         flat = mover.empty(st.grads.size).zero_()  # zeros between tensors: the whole buffer is checked for inf
-        views = st.grads.layout.views(flat)
         with torch.no_grad():
-            for fqn, grad in fresh.items():
-                views[fqn].copy_(grad)  # the cast to fp32 runs on the device
+            if st.unit.ranks.sharded:  # each rank gets its chunks, averaged over the ranks ([Note: sharding])
+                scatter_sum(st.unit.ranks, fresh, st.grads.layout, flat)
+            else:
+                views = st.grads.layout.views(flat)
+                for fqn, grad in fresh.items():
+                    views[fqn].copy_(grad)  # the cast to fp32 runs on the device
         del fresh
         if self.loss_scaling and not self.found_inf and not bool(torch.isfinite(flat.view(torch.float32)).all()):
             self.found_inf = True
         grads = self._hold_grads(st)
         if not any(f in st.has_grad for f in names):
-            mover.synchronize(mover.to_host(flat, st.grads.flat("host")))
+            self._to_host(flat, st.grads.flat("host"))
             st.has_grad.update(names)
             return
         staging = self.swapper.cache.alloc(st.grads)  # a host buffer the accumulators' size, evicting as needed
         try:
             host = staging.tensor()
-            mover.synchronize(mover.to_host(flat, host))
+            self._to_host(flat, host)
             staged = st.grads.layout.views(host)
             self._add_grads(st, {f: staged[f] for f in names}, grads)
         finally:
             self.swapper.pool.free(staging)
+
+    def _to_host(self, flat: torch.Tensor, host: torch.Tensor) -> None:
+        mover = self.swapper.mover
+        if mover.copies:
+            mover.synchronize(mover.to_host(flat, host))
+        else:  # the CPU device: `flat` is memory of its own only with several ranks
+            host[: flat.numel()].copy_(flat)
 
     def unit_backward_started(self, unit_index: int) -> None:
         """Backward reached the unit: with overlap_backward, start reading its optimizer state now."""
@@ -383,9 +395,18 @@ class TieredOptimizer(torch.optim.Optimizer):
                              if f in st.has_grad)
             finally:
                 self.swapper.release(st.grads)
-        if not norms:
+        ranks = self.units[0].unit.ranks if self.units else None
+        if ranks is not None and ranks.sharded:  # each rank has its chunks of every gradient: combine
+            if norm_type == float("inf"):
+                local = torch.stack(norms).max() if norms else torch.tensor(0.0)
+                total = ranks.all_reduce(local.reshape(1).float(), "max")[0] / self.scale
+            else:
+                local = torch.stack([n.float() ** norm_type for n in norms]).sum() if norms else torch.tensor(0.0)
+                total = ranks.all_reduce(local.reshape(1), "sum")[0] ** (1.0 / norm_type) / self.scale
+        elif not norms:
             return torch.tensor(0.0)
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) / self.scale  # of the unscaled gradients
+        else:
+            total = torch.linalg.vector_norm(torch.stack(norms), norm_type) / self.scale  # of the unscaled gradients
         coef = float(max_norm) / (total + 1e-6)
         self._clip_scale = float(torch.clamp(coef, max=1.0))
         return total
@@ -398,6 +419,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.loss_scaling and self.units and self.units[0].unit.ranks.sharded:  # skip on every rank, or none
+            self.found_inf = bool(self.units[0].unit.ranks.all_reduce(torch.tensor([float(self.found_inf)]), "max")[0])
         if self.loss_scaling and self.found_inf:  # as GradScaler: skip the step, lower the scale
             self.scale *= self.backoff_factor
             self._good_steps = 0
