@@ -175,3 +175,90 @@ def test_two_ranks_train_as_one_process_on_both_batches(tmp_path) -> None:
         assert torch.equal(ranks[0][name], ranks[1][name]), name
         diff = (ranks[0][name] - value).abs().max().item()
         assert diff <= max(2 * gap, 1e-6), (name, diff, gap)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "manifest.json"}
+
+
+def _save_after_steps(rank: int, world: int, folder: Path) -> None:
+    """Train three steps on this rank's halves (or, alone, the whole batches) and save."""
+    from tiermem import tiered_offload
+
+    model = _gpt2().train()
+    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **_offload_cfg(folder, rank, **{"memory.host_budget": "8MiB"})) as tm:
+        _train(model, tm.optimizer, _batches(rank if world > 1 else None)[: 3 * ACCUMULATE], tm.backward,
+               tm.clip_grad_norm_)
+        tm.save_checkpoint(folder / "saved")
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, folder / f"params{rank}.pt")
+
+
+def _load_and_save(rank: int, world: int, folder: Path, source: Path) -> None:
+    """Load a checkpoint saved with another number of ranks and save it again at once."""
+    from tiermem import tiered_offload
+
+    model = _gpt2().train()
+    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **_offload_cfg(folder, rank, **{"memory.host_budget": "8MiB"})) as tm:
+        tm.load_checkpoint(source)
+        tm.save_checkpoint(folder / "again")
+
+
+def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None:
+    """Two ranks save one checkpoint of whole tensors (transformers' from_pretrained loads its weights); one
+    process loads it and saves the same bytes again; and a checkpoint saved by one process, loaded by two
+    ranks, is saved again unchanged: weights, optimizer state, steps and groups survive either way."""
+    from transformers import GPT2LMHeadModel
+
+    run_ranks(_save_after_steps, 2, tmp_path / "two", timeout_s=120)
+    saved = tmp_path / "two" / "saved"
+    loaded = dict(GPT2LMHeadModel.from_pretrained(saved).named_parameters())
+    for rank in range(2):  # the weights each rank had when it saved, whole
+        for name, value in torch.load(tmp_path / "two" / f"params{rank}.pt").items():
+            assert torch.equal(loaded[name], value), (rank, name)
+    _load_and_save(0, 1, tmp_path / "one", saved)
+    assert _files(tmp_path / "one" / "again") == _files(saved)
+
+    _save_after_steps(0, 1, tmp_path / "single")
+    run_ranks(_load_and_save, 2, tmp_path / "back", tmp_path / "single" / "saved", timeout_s=120)
+    assert _files(tmp_path / "back" / "again") == _files(tmp_path / "single" / "saved")
+
+
+def _one_rank_raises(rank: int, world: int, folder: Path) -> None:
+    import time
+
+    from tiermem import RanksError, RestoreError, tiered_offload
+
+    model = _gpt2()
+    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def fail(module: torch.nn.Module, args: object) -> None:
+        raise ValueError("rank 1 fails in the forward of block 1")
+
+    if rank == 1:
+        model.transformer.h[1].register_forward_pre_hook(fail)
+    t0 = time.monotonic()
+    try:
+        with tiered_offload(model, **_offload_cfg(folder, rank)):
+            with torch.no_grad():
+                model(ids)
+    except RestoreError as exc:  # each rank leaves with the parameters named, on the meta device
+        cause = exc.__context__
+        assert isinstance(cause, RanksError if rank == 0 else ValueError), repr(cause)
+        (folder / f"outcome{rank}").write_text(f"{type(cause).__name__}: {cause}\n{time.monotonic() - t0:.1f}")
+        return
+    raise AssertionError("no error")
+
+
+def test_a_rank_that_raises_makes_the_others_raise_not_hang(tmp_path) -> None:
+    """Rank 1 raises in the forward of one block while rank 0 waits to gather that block with it: rank 0 gets a
+    RanksError naming itself well within the process group's timeout, and both leave with a RestoreError
+    naming the parameters, left on the meta device, instead of pairing their exit's gathers with the wrong
+    collectives."""
+    run_ranks(_one_rank_raises, 2, tmp_path, timeout_s=30)
+    zero = (tmp_path / "outcome0").read_text()
+    one = (tmp_path / "outcome1").read_text()
+    assert zero.startswith("RanksError: rank 0 of 2: gathering a unit"), zero
+    assert one.startswith("ValueError: rank 1 fails"), one
+    assert float(zero.split("\n")[1]) < 30

@@ -77,9 +77,11 @@ import aiofiles
 import torch
 
 from tiermem.device import check_host
+from tiermem.distributed import Ranks, gather_unit
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.io.aio import read_bytes
 from tiermem.runtime.checkpoint import SafetensorsCheckpoint, SafetensorsWriter
+from tiermem.swap import Layout
 
 if TYPE_CHECKING:
     from tiermem.offload import OffloadHandle
@@ -115,6 +117,20 @@ def save_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str], max_shard_b
     model's adapters, in PEFT's own format (see `_write_adapters`).
     """
     final = os.path.realpath(os.fspath(path))
+    ranks = tm.units[0].ranks if tm.units else Ranks()
+    if ranks.sharded and not adapters_only:  # whole tensors, gathered by all ranks and written by rank 0
+        if ranks.rank != 0:
+            _write(tm, None, max_shard_bytes)
+            ranks.barrier()  # returns once rank 0 has put the checkpoint in place
+            return final
+        try:
+            return _save(tm, final, max_shard_bytes, adapters_only)
+        finally:
+            ranks.barrier()
+    return _save(tm, final, max_shard_bytes, adapters_only)
+
+
+def _save(tm: OffloadHandle, final: str, max_shard_bytes: int, adapters_only: bool) -> str:
     if os.path.lexists(final) and not os.path.isdir(final):
         raise CheckpointError(f"{final} exists and is not a directory; pass a directory for the checkpoint")
     os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -213,10 +229,16 @@ def _param_names(tm: OffloadHandle) -> dict[int, str]:
 
 
 # -- writing ----------------------------------------------------------------------------------------
-def _write(tm: OffloadHandle, folder: str, max_shard_bytes: int) -> None:
-    """Write the whole checkpoint into the empty directory `folder`, every file fsynced, manifest.json last."""
+def _write(tm: OffloadHandle, folder: str | None, max_shard_bytes: int) -> None:
+    """Write the whole checkpoint into the empty directory `folder`, every file fsynced, manifest.json last.
+    With several ranks, the ranks other than 0 pass None: they take part in gathering every tensor only."""
     files: dict[str, dict[str, Any]] = {}  # manifest entries by file name
     small: dict[str, bytes] = {}  # the JSON files, written together with aiofiles
+    if folder is None:
+        _write_sharded(None, "model", list(_model_tensors(tm)), max_shard_bytes, tm, files)
+        if tm.optimizer is not None:
+            _write_sharded(None, "optimizer", list(_optimizer_tensors(tm)), max_shard_bytes, tm, files)
+        return
     config = getattr(tm.model, "config", None)
     if config is not None and callable(getattr(config, "save_pretrained", None)):
         config.save_pretrained(folder)
@@ -272,7 +294,7 @@ def _write_adapters(tm: OffloadHandle, folder: str) -> None:
     _fsync_dir(folder)
 
 
-def _write_sharded(folder: str, prefix: str, tensors: list[Spec], max_shard_bytes: int, tm: OffloadHandle,
+def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_shard_bytes: int, tm: OffloadHandle,
                    files: dict[str, dict[str, Any]]) -> bytes:
     """Write `tensors` into `<prefix>-k-of-n.safetensors` shards (their manifest entries go into `files`);
     return the index's JSON."""
@@ -292,7 +314,8 @@ def _write_sharded(folder: str, prefix: str, tensors: list[Spec], max_shard_byte
     weight_map: dict[str, str] = {}
     for k, shard in enumerate(shards):
         name = f"{prefix}-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        writer = SafetensorsWriter(os.path.join(folder, name), [(n, d, s) for n, d, s, _ in shard])
+        specs = [(n, d, s) for n, d, s, _ in shard]
+        writer = SafetensorsWriter(os.path.join(folder, name), specs) if folder is not None else _NoWriter()
         held: tuple[str, int] | None = None
         views: dict[str, torch.Tensor] = {}
         try:
@@ -329,12 +352,44 @@ def _partition_for(tm: OffloadHandle, key: tuple[str, int]) -> Any:
 
 
 def _acquire(tm: OffloadHandle, key: tuple[str, int]) -> dict[str, torch.Tensor]:
-    return tm.swapper.acquire(_partition_for(tm, key), "host")
+    """The partition's tensors on the host; with several ranks the tensors whole, gathered from every rank
+    (a copy: the partition is released at once, and `_release` has nothing to do)."""
+    part = _partition_for(tm, key)
+    views = tm.swapper.acquire(part, "host")
+    unit = tm.units[key[1]]
+    if not unit.ranks.sharded:
+        return views
+    try:
+        shapes = {fqn: torch.empty(shape, dtype=torch.float32, device="meta")
+                  for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True)}
+        whole = unit.whole if key[0] == "unit" else Layout.of(
+            [(slot.name, shapes[slot.name.split(".", 1)[1]]) for slot in part.layout.slots])
+        out = torch.empty(whole.size, dtype=torch.uint8)
+        gather_unit(unit.ranks, part.flat("host"), part.layout, whole, out)
+        return whole.views(out)
+    finally:
+        tm.swapper.release(part, tier="host")
 
 
 def _release(tm: OffloadHandle, key: tuple[str, int] | None) -> None:
-    if key is not None:
+    if key is not None and not tm.units[key[1]].ranks.sharded:
         tm.swapper.release(_partition_for(tm, key), tier="host")
+
+
+class _NoWriter:
+    """What the ranks other than 0 write into while taking part in a save's gathers: nothing."""
+
+    size = header_crc32 = 0
+    crc32: dict[str, int] = {}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _dumps(obj: Any) -> bytes:
@@ -778,8 +833,8 @@ def _load(tm: OffloadHandle, checked: _Checked) -> None:
     for unit in tm.units:
         views = tm.swapper.acquire(unit.partition, "host")
         try:
-            for fqn, _ in unit.params:
-                checked.read_into(weights, engine, fqn, views[fqn])
+            for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
+                _read(checked, weights, engine, fqn, views[fqn], unit.ranks, shape)
         finally:
             tm.swapper.release(unit.partition, dirty=True, tier="host")
     for name, buf in _persistent_buffers(tm.model):  # buffers live on the device: read on the host, then copy
@@ -803,9 +858,23 @@ def _load(tm: OffloadHandle, checked: _Checked) -> None:
             continue
         assert checked.states is not None  # _check_optimizer opened it: there are tensors to read
         views = tm.swapper.acquire(st.state, "host")
+        shapes = dict(zip([f for f, _ in st.unit.params], st.unit.shapes, strict=True))
         try:
             for kind in kinds:
                 for fqn, _, _ in st.trainable:
-                    checked.read_into(checked.states, engine, f"{fqn}::{kind}", views[f"{kind}.{fqn}"])
+                    _read(checked, checked.states, engine, f"{fqn}::{kind}", views[f"{kind}.{fqn}"], st.unit.ranks,
+                          shapes[fqn])
         finally:
             tm.swapper.release(st.state, dirty=True, tier="host")
+
+
+def _read(checked: _Checked, reader: SafetensorsCheckpoint, engine: Any, name: str, target: torch.Tensor,
+          ranks: Ranks, shape: tuple[int, ...]) -> None:
+    """Load tensor `name` into `target`: whole, or with several ranks this rank's chunk of it."""
+    if not ranks.sharded:
+        checked.read_into(reader, engine, name, target)
+        return
+    whole = torch.empty(shape, dtype=target.dtype)
+    checked.read_into(reader, engine, name, whole)
+    start, end = ranks.my_range(whole.numel())
+    target[: end - start].copy_(whole.reshape(-1)[start:end])

@@ -65,29 +65,40 @@ class Ranks:
         return start, min(start + c, numel)
 
     # -- collectives ----------------------------------------------------------------------------------
+    def _run(self, what: str, call: Any, *args: Any, **kwargs: Any) -> None:
+        """A collective; its failure (a rank that raised and left, or the process group's timeout) becomes a
+        RanksError on this rank instead of torch's backend error."""
+        try:
+            call(*args, group=self.group, **kwargs)
+        except RuntimeError as exc:
+            raise RanksError(f"rank {self.rank} of {self.world}: {what} with the other ranks failed ({exc}). "
+                             "Another rank probably raised (see its error) or did not get here within the "
+                             "process group's timeout") from exc
+
     def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
         import torch.distributed as dist
 
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
-        gather(out, mine, group=self.group)
+        self._run("gathering a unit", gather, out, mine)
 
     def reduce_scatter_mean(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         import torch.distributed as dist
 
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        scatter(out, rows, group=self.group)  # SUM: gloo has no AVG
+        self._run("reduce-scattering gradients", scatter, out, rows)  # SUM: gloo has no AVG
         out.div_(self.world)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
 
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        self._run(f"an all-reduce ({op})", dist.all_reduce, t,
+                  op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        dist.barrier(group=self.group)
+        self._run("a barrier", dist.barrier)
 
     def check_same(self, what: str, value: str) -> None:
         """Raise RanksError on every rank unless all ranks pass the same `value` (e.g. a config's text)."""

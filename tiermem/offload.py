@@ -222,6 +222,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         raise OffloadError(f"optimizer: {type(optimizer).__name__} is not supported under tiered_offload; use one "
                            f"of {names}")
     ranks = Ranks.of(process_group)
+    if ranks.sharded and restore_optimizer:
+        raise OffloadError("restore_optimizer=True with several ranks: each rank holds only its chunks of the "
+                           "optimizer state; save it with tm.save_checkpoint(dir) instead")
+    raised = False  # the with-block raised: with several ranks, exit cannot count on the others to gather
     swapper = TensorSwapper(config, engine=engine, **overrides)
     swapper.defer_registration = True  # until the model's parameters are packed (_pack registers the pool)
     if ranks.sharded:
@@ -260,7 +264,11 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                         "train in less memory", type(model).__name__)
         handle.plan = _plan(handle)
         log.info("tiered_offload plan: %s", handle.plan_summary())
-        yield handle
+        try:
+            yield handle
+        except BaseException:
+            raised = True
+            raise
     finally:
         try:
             if handle is not None:
@@ -276,7 +284,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                                     "tm.save_checkpoint(dir), or pass restore_optimizer=True to copy it into the "
                                     "optimizer on exit%s", f" (the last checkpoint, {handle.saved[0]}, is older)"
                                     if handle.saved is not None else "")
-                    _unpack(handle, restore)
+                    _unpack(handle, restore, raised)
         finally:
             if handle is not None:
                 handle.closed = True
@@ -529,8 +537,15 @@ def _restore_buffers(moved: list[tuple[nn.Module, str, torch.device]]) -> None:
 
 
 # -- exit -------------------------------------------------------------------------------------------
-def _unpack(handle: OffloadHandle, restore: bool) -> None:
+def _unpack(handle: OffloadHandle, restore: bool, raised: bool = False) -> None:
     _restore_buffers(handle.runtime.moved_buffers)
+    if restore and raised and handle.units and handle.units[0].ranks.sharded:
+        # gathering needs every rank, and the others may be waiting in a collective of the failed step (or be
+        # gone): the parameters are left on the meta device, named, rather than paired with the wrong gathers
+        _to_meta(handle.model, handle.units)
+        why = OffloadError(f"rank {handle.units[0].ranks.rank} left tiered_offload on an error; with several ranks "
+                           "the parameters can be given back only by all ranks together")
+        raise _restore_error({fqn: why for u in handle.units for fqn, _ in u.params}, "")
     if not restore:
         made = _to_meta(handle.model, handle.units)
         _swap_in_optimizer(handle.optimizer.original if handle.optimizer is not None else None, made)
