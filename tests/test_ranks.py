@@ -82,11 +82,13 @@ def _forward(rank: int, world: int, folder: Path) -> None:
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits
-    with tiered_offload(model, **_offload_cfg(folder, rank, **{"memory.host_budget": "64MiB"})) as tm:
+    per_rank = {"memory.host_budget": "64MiB", "nvme.paths": [str(folder / "drive{rank}")]}  # one config
+    with tiered_offload(model, **_offload_cfg(folder, rank, **per_rank)) as tm:
         for _ in range(2):
             with torch.no_grad():
                 assert torch.equal(model(ids).logits, ref)
         peak = tm.stats()["peak_bytes"]
+    assert (folder / f"drive{rank}").is_dir()  # {rank} filled in: each rank's swap on its own path
     torch.save({"nvme": peak["nvme"], "host": peak["host"]}, folder / f"stats{rank}.pt")
     for p, q in zip(model.parameters(), _gpt2().parameters(), strict=True):
         assert torch.equal(p, q)  # restored whole on every rank

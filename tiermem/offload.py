@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiermem.config import Config
+from tiermem.config import Config, load_config
 from tiermem.distributed import Ranks, chunk_specs
-from tiermem.errors import BudgetError, CheckpointError, OffloadError, RestoreError, StoreError
+from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadError, RestoreError, StoreError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.engine import IOEngine
 from tiermem.memory import cpu_allocator, trim
@@ -226,7 +226,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         raise OffloadError("restore_optimizer=True with several ranks: each rank holds only its chunks of the "
                            "optimizer state; save it with tm.save_checkpoint(dir) instead")
     raised = False  # the with-block raised: with several ranks, exit cannot count on the others to gather
-    swapper = TensorSwapper(config, engine=engine, **overrides)
+    config = _rank_paths(load_config(config, **overrides), ranks)
+    swapper = TensorSwapper(config, engine=engine)
     swapper.defer_registration = True  # until the model's parameters are packed (_pack registers the pool)
     if ranks.sharded:
         try:
@@ -298,6 +299,21 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
 
 
 # -- entry ------------------------------------------------------------------------------------------
+def _rank_paths(cfg: Config, ranks: Ranks) -> Config:
+    """nvme.paths with ``{rank}`` and ``{local_rank}`` filled in (LOCAL_RANK as torchrun sets it), so that one
+    config gives each rank, or each GPU's rank on a machine, drives of its own: ``/mnt/nvme{local_rank}``."""
+    paths = list(cfg.nvme.paths)
+    if not any("{" in p for p in paths):
+        return cfg
+    local = int(os.environ.get("LOCAL_RANK", ranks.rank))
+    try:
+        filled = [p.format(rank=ranks.rank, local_rank=local) for p in paths]
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"nvme.paths: {paths!r} has a placeholder other than {{rank}} and {{local_rank}} "
+                          f"({exc})") from None
+    return load_config(cfg, **{"nvme.paths": filled})
+
+
 def _plan(handle: OffloadHandle) -> dict[str, Any]:
     """The memory plan entry made: bytes and tier of each kind of state, and the host pool's split."""
     cfg, units, opt = handle.config, handle.units, handle.optimizer
