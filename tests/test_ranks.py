@@ -88,6 +88,12 @@ def _forward(rank: int, world: int, folder: Path) -> None:
             with torch.no_grad():
                 assert torch.equal(model(ids).logits, ref)
         peak = tm.stats()["peak_bytes"]
+        with tm.gathered(model.transformer.h[0]), torch.no_grad():  # whole on every rank; edits kept
+            assert torch.equal(model.transformer.h[0].ln_1.weight, _gpt2().transformer.h[0].ln_1.weight)
+            model.transformer.h[0].ln_1.weight.add_(1.0)
+    edited = _gpt2().transformer.h[0].ln_1.weight.detach() + 1.0
+    assert torch.equal(model.transformer.h[0].ln_1.weight, edited)
+    model.transformer.h[0].ln_1.weight.data.sub_(1.0)
     assert (folder / f"drive{rank}").is_dir()  # {rank} filled in: each rank's swap on its own path
     torch.save({"nvme": peak["nvme"], "host": peak["host"]}, folder / f"stats{rank}.pt")
     for p, q in zip(model.parameters(), _gpt2().parameters(), strict=True):
@@ -97,7 +103,8 @@ def _forward(rank: int, world: int, folder: Path) -> None:
 def test_two_ranks_each_hold_half_and_compute_what_one_process_computes(tmp_path) -> None:
     """Inference under two ranks: each rank keeps its half of every unit on its NVMe tier, gathers units to
     compute, and gets the logits of the model in memory; each rank's NVMe and host-tier bytes are half of a
-    single process's (within 5%), and leaving gives every rank the whole model back."""
+    single process's (within 5%); an edit in tm.gathered() is kept; leaving gives every rank the whole model
+    back."""
     run_ranks(_forward, 2, tmp_path / "two")
     _forward(0, 1, tmp_path / "one")  # no process group here: one rank, the whole units
     one = torch.load(tmp_path / "one" / "stats0.pt")

@@ -160,11 +160,11 @@ class OffloadHandle:
         wanted = modules or (self.model,)
         ids = {id(p) for m in wanted for p in m.parameters()}
         indices = [u.index for u in self.units if any(id(p) in ids for _, p in u.params)]
-        self.runtime.gather(indices)
+        self.runtime.hold(indices)
         try:
             yield
         finally:
-            self.runtime.scatter(indices, dirty=True)
+            self.runtime.let_go(indices, dirty=True)
 
 
 @contextmanager

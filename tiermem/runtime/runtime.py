@@ -406,11 +406,12 @@ class Runtime:
         self.prefetch_hits = self.prefetch_misses = self.passes = 0
         self.schedule.hits = self.schedule.misses = self.schedule.retraces = 0
 
-    def gather(self, indices: list[int]) -> None:
+    def hold(self, indices: list[int]) -> None:
         """Acquire units outside any forward (for `OffloadHandle.gathered`)."""
         for i in indices:
             self.enter(i)
 
-    def scatter(self, indices: list[int], *, dirty: bool = False) -> None:
+    def let_go(self, indices: list[int], *, dirty: bool = False) -> None:
+        """Release what `hold` acquired; `dirty`: the parameters were changed."""
         for i in reversed(indices):
             self.exit(i, dirty=dirty)
