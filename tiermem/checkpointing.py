@@ -876,5 +876,4 @@ def _read(checked: _Checked, reader: SafetensorsCheckpoint, engine: Any, name: s
         return
     whole = torch.empty(shape, dtype=target.dtype)
     checked.read_into(reader, engine, name, whole)
-    start, end = ranks.my_range(whole.numel())
-    target[: end - start].copy_(whole.reshape(-1)[start:end])
+    ranks.keep_mine(whole, target)

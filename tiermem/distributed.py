@@ -58,6 +58,12 @@ class Ranks:
         """Elements of each rank's chunk of a tensor of `numel` elements."""
         return -(-numel // self.world)
 
+    def keep_mine(self, whole: torch.Tensor, chunk: torch.Tensor) -> None:
+        """Copy this rank's chunk of `whole` into `chunk` (1-D, `chunk(numel)` elements; the padding left as
+        it is)."""
+        start, end = self.my_range(whole.numel())
+        chunk[: end - start].copy_(whole.reshape(-1)[start:end])
+
     def my_range(self, numel: int) -> tuple[int, int]:
         """[start, end) of this rank's elements of a tensor of `numel` (end - start may be short or 0)."""
         c = self.chunk(numel)

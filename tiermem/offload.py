@@ -482,8 +482,7 @@ def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: Weight
                 ckpt.read_into(swapper.engine, name, src)
             else:
                 src = made[fqn] if fqn in made else p.detach()
-            start, end = ranks.my_range(src.numel())
-            views[fqn][: end - start].copy_(src.reshape(-1)[start:end])
+            ranks.keep_mine(src, views[fqn])
 
     part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill, zero=ranks.sharded)
     unit = Unit(index, up.name, list(up.params.items()), part, swapper.device, ranks,
@@ -609,10 +608,7 @@ def _restore_sharded(model: nn.Module, units: list[Unit], swapper: TensorSwapper
         finally:
             if held:
                 swapper.release(unit.partition, tier="host")
-        with torch.no_grad():
-            for (fqn, p), (dtype, device) in zip(unit.params, unit.orig, strict=True):
-                device = torch.device("cpu") if device.type == "meta" else device
-                p.data = whole[fqn].to(device=device, dtype=dtype, copy=True)
+        _give_back(unit, whole)
     bad = torch.tensor([float(u.index in errors) for u in units])
     units[0].ranks.all_reduce(bad, "max")
     lost = [u for u, b in zip(units, bad.tolist(), strict=True) if b]
@@ -640,13 +636,18 @@ def _restore_unit(unit: Unit, swapper: TensorSwapper) -> None:
     """Give the unit's Parameter objects ordinary storage again, with their values, dtype and device."""
     tensors = swapper.acquire(unit.partition, "host")
     try:
-        with torch.no_grad():
-            for (fqn, p), (dtype, device) in zip(unit.params, unit.orig, strict=True):
-                if device.type == "meta":
-                    device = torch.device("cpu")  # streamed from a checkpoint: materialise on the CPU
-                p.data = tensors[fqn].to(device=device, dtype=dtype, copy=True)
+        _give_back(unit, tensors)
     finally:
         swapper.release(unit.partition, tier="host")
+
+
+def _give_back(unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
+    """Point the unit's Parameters at copies of `tensors` (whole) in their own dtype and on their own device."""
+    with torch.no_grad():
+        for (fqn, p), (dtype, device) in zip(unit.params, unit.orig, strict=True):
+            if device.type == "meta":
+                device = torch.device("cpu")  # streamed from a checkpoint: materialise on the CPU
+            p.data = tensors[fqn].to(device=device, dtype=dtype, copy=True)
 
 
 def _to_meta(model: nn.Module, units: list[Unit]) -> dict[int, nn.Parameter]:

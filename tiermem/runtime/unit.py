@@ -47,8 +47,7 @@ class Unit:
         mine = self.partition.tensors("device")
         with torch.no_grad():
             for fqn, p in self.params:
-                start, end = self.ranks.my_range(p.numel())
-                mine[fqn][: end - start].copy_(p.data.reshape(-1)[start:end])
+                self.ranks.keep_mine(p.data, mine[fqn])
 
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
         """Point every parameter at its view in the partition (or in the gathered unit)."""

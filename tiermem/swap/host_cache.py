@@ -7,8 +7,8 @@ of it (runtime/activations.py), in an arena of their own at the bottom of the po
 the hundred per step, and mixed in with the rest they would split the room a unit's optimizer state needs
 in one piece. The other partitions share the rest: those kept for good (homed on host) from the top, the
 ones that come and go from the bottom. When a fetch needs room, the idle partitions of its arena whose
-home is NVMe are evicted, the one needed last first (the runtime knows the schedule; else the least recently used):
-dropped at once when their NVMe copy is current, written back first when dirty. A partition larger than
+home is NVMe are evicted, the one needed last first (the runtime knows the schedule; else the least
+recently used): dropped at once when their NVMe copy is current, written back first when dirty. A partition larger than
 the whole budget, or a budget full of partitions in use, raises BudgetError naming them.
 
 # [Note: swapper locking]
