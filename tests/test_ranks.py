@@ -82,12 +82,31 @@ def _forward(rank: int, world: int, folder: Path) -> None:
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits
+    detour = _detour(model)
+    with torch.no_grad():
+        ref_detour = model(ids).logits
+    detour.remove()
     per_rank = {"memory.host_budget": "64MiB", "nvme.paths": [str(folder / "drive{rank}")]}  # one config
     with tiered_offload(model, **_offload_cfg(folder, rank, **per_rank)) as tm:
-        for _ in range(2):
+        for k in range(3):
             with torch.no_grad():
                 assert torch.equal(model(ids).logits, ref)
-        peak = tm.stats()["peak_bytes"]
+            st = tm.stats()
+            if k == 0 and world > 1:  # the first pass records the order: nothing to gather ahead yet
+                assert st["gathers_ahead"] == 0 and st["gathered_bytes"] > 0, st
+        # once the order is known, each acquisition but a pass's first is gathered ahead, unless it is the unit
+        # acquired just before it (wte then wpe, one unit)
+        order = tm.runtime.schedule.order
+        per_pass = sum(a != b for a, b in zip(order, order[1:], strict=False))
+        assert st["gathers_ahead"] == (2 * per_pass if world > 1 else 0), (order, st)
+        peak = st["peak_bytes"]
+        if world > 1:  # a pass that leaves the recorded order (on every rank alike) computes the same
+            detour = _detour(model)
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, ref_detour)
+            detour.remove()
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, ref)
         with tm.gathered(model.transformer.h[0]), torch.no_grad():  # whole on every rank; edits kept
             assert torch.equal(model.transformer.h[0].ln_1.weight, _gpt2().transformer.h[0].ln_1.weight)
             model.transformer.h[0].ln_1.weight.add_(1.0)
@@ -100,11 +119,20 @@ def _forward(rank: int, world: int, folder: Path) -> None:
         assert torch.equal(p, q)  # restored whole on every rank
 
 
+def _detour(model: torch.nn.Module) -> object:
+    """Make block 0 run block 2 as well and add a tenth of its output: an order the schedule did not record."""
+    def also_block_2(module: torch.nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        return out + 0.1 * model.transformer.h[2](out)
+
+    return model.transformer.h[0].register_forward_hook(also_block_2)
+
+
 def test_two_ranks_each_hold_half_and_compute_what_one_process_computes(tmp_path) -> None:
     """Inference under two ranks: each rank keeps its half of every unit on its NVMe tier, gathers units to
-    compute, and gets the logits of the model in memory; each rank's NVMe and host-tier bytes are half of a
-    single process's (within 5%); an edit in tm.gathered() is kept; leaving gives every rank the whole model
-    back."""
+    compute (once the order is known, each while the unit before computes), and gets the logits of the
+    model in memory, also in a pass that leaves the recorded order; each rank's NVMe and host-tier bytes
+    are half of a single process's (within 5%); an edit in tm.gathered() is kept; leaving gives every rank
+    the whole model back."""
     run_ranks(_forward, 2, tmp_path / "two")
     _forward(0, 1, tmp_path / "one")  # no process group here: one rank, the whole units
     one = torch.load(tmp_path / "one" / "stats0.pt")
@@ -146,6 +174,8 @@ def _train_rank(rank: int, world: int, folder: Path) -> None:
     opt = torch.optim.AdamW(_groups(model), lr=1e-3)
     with tiered_offload(model, optimizer=opt, **_offload_cfg(folder, rank, **{"memory.host_budget": "4MiB"})) as tm:
         _train(model, tm.optimizer, _batches(rank), tm.backward, tm.clip_grad_norm_)
+        st = tm.stats()
+        assert st["gathers_ahead"] > STEPS and st["reduced_bytes"] > 0, st  # in forward and backward
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, folder / f"params{rank}.pt")
 
 

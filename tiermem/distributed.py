@@ -11,7 +11,12 @@ arithmetic on 1/N of the elements, and padding (zero parameters, zero gradients,
 
 Forward and backward gather a unit before it computes: one `all_gather_into_tensor` of the ranks'
 partitions, then each parameter is copied out of the N rows into the unit's full layout on the device;
-the full copy goes when the unit is released. After a unit's backward its gradients are laid out in N
+the full copy goes when the unit is released. Once the order is recorded, the gather of the unit that comes
+next in the pass starts (async) as soon as the current unit is bound, so it runs while that unit computes
+(`Runtime._gather_ahead`). Collectives must be issued in the same order on every rank, so what is gathered
+ahead depends only on the recorded order, never on timing (whether a read has finished): every rank makes
+the same prediction and the same mistakes. Nothing is gathered ahead across the end of a pass: the
+optimizer step between passes changes the parameters. After a unit's backward its gradients are laid out in N
 rows the same way and `reduce_scatter_tensor` leaves each rank the sum of its chunks, divided by N (the
 average DDP takes). The gradient norm for clipping and the float16 overflow check are all-reduced.
 
@@ -23,14 +28,29 @@ config and model shapes.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tiermem.errors import RanksError
 from tiermem.swap import Layout
+
+
+@dataclass
+class Traffic:
+    """What this rank's collectives moved and how long it waited for them (reported by `tm.stats()`)."""
+
+    gathered_bytes: int = 0  # bytes received by all-gathers (the other ranks' chunks)
+    gather_wait_seconds: float = 0.0  # time spent waiting for all-gathers to finish (what compute did not hide)
+    gathers_ahead: int = 0  # gathers started ahead of their unit, while the unit before it computed
+    reduced_bytes: int = 0  # bytes of gradient sent into reduce-scatters
+    reduce_seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.__dict__.update(Traffic().__dict__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +60,7 @@ class Ranks:
     group: Any = None
     rank: int = 0
     world: int = 1
+    traffic: Traffic = field(default_factory=Traffic, compare=False, repr=False)
 
     @classmethod
     def of(cls, group: Any = None) -> Ranks:
@@ -71,28 +92,46 @@ class Ranks:
         return start, min(start + c, numel)
 
     # -- collectives ----------------------------------------------------------------------------------
-    def _run(self, what: str, call: Any, *args: Any, **kwargs: Any) -> None:
+    def _run(self, what: str, call: Any, *args: Any, **kwargs: Any) -> Any:
         """A collective; its failure (a rank that raised and left, or the process group's timeout) becomes a
         RanksError on this rank instead of torch's backend error."""
         try:
-            call(*args, group=self.group, **kwargs)
+            return call(*args, group=self.group, **kwargs)
         except RuntimeError as exc:
-            raise RanksError(f"rank {self.rank} of {self.world}: {what} with the other ranks failed ({exc}). "
-                             "Another rank probably raised (see its error) or did not get here within the "
-                             "process group's timeout") from exc
+            raise self._failed(what, exc) from exc
 
-    def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+    def _failed(self, what: str, exc: BaseException) -> RanksError:
+        return RanksError(f"rank {self.rank} of {self.world}: {what} with the other ranks failed ({exc}). "
+                          "Another rank probably raised (see its error) or did not get here within the "
+                          "process group's timeout")
+
+    def start_all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> Any:
+        """Start gathering every rank's `mine` into `out` (rank 0's first); returns the work to `wait` on."""
         import torch.distributed as dist
 
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
-        self._run("gathering a unit", gather, out, mine)
+        work = self._run("gathering a unit", gather, out, mine, async_op=True)
+        self.traffic.gathered_bytes += out.numel() * out.element_size() - mine.numel() * mine.element_size()
+        return work
+
+    def wait(self, work: Any, what: str = "gathering a unit") -> None:
+        t0 = time.perf_counter()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise self._failed(what, exc) from exc
+        finally:
+            self.traffic.gather_wait_seconds += time.perf_counter() - t0
 
     def reduce_scatter_mean(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._run("reduce-scattering gradients", scatter, out, rows)  # SUM: gloo has no AVG
         out.div_(self.world)
+        self.traffic.reduced_bytes += rows.numel() * rows.element_size()
+        self.traffic.reduce_seconds += time.perf_counter() - t0
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
@@ -125,15 +164,32 @@ def chunk_specs(ranks: Ranks, specs: Sequence[tuple[str, torch.Tensor]]) -> list
     return [(name, torch.empty(ranks.chunk(t.numel()), dtype=t.dtype, device="meta")) for name, t in specs]
 
 
-def gather_unit(ranks: Ranks, mine: torch.Tensor, chunks: Layout, full: Layout, out: torch.Tensor) -> None:
-    """All-gather the ranks' partitions (`mine`: this rank's, laid out as `chunks`) and write each tensor
-    whole into `out` (uint8, laid out as `full`), on the device `mine` is on."""
+@dataclass
+class Gathering:
+    """An all-gather of one unit in flight: the rows it fills, one per rank, and the work to wait on."""
+
+    rows: torch.Tensor
+    work: Any
+
+
+def start_gather(ranks: Ranks, mine: torch.Tensor, chunks: Layout) -> Gathering:
+    """Start all-gathering the ranks' partitions (`mine`: this rank's, laid out as `chunks`)."""
     rows = torch.empty(ranks.world * chunks.size, dtype=torch.uint8, device=mine.device)
-    ranks.all_gather(rows, mine[: chunks.size])
-    rows2 = rows.view(ranks.world, chunks.size)
+    return Gathering(rows, ranks.start_all_gather(rows, mine[: chunks.size]))
+
+
+def finish_gather(ranks: Ranks, g: Gathering, chunks: Layout, full: Layout, out: torch.Tensor) -> None:
+    """Wait for `g` and write each tensor whole into `out` (uint8, laid out as `full`), on `g`'s device."""
+    ranks.wait(g.work)
+    rows2 = g.rows.view(ranks.world, chunks.size)
     for c, f in zip(chunks.slots, full.slots, strict=True):
         whole = rows2[:, c.offset : c.offset + c.nbytes].reshape(-1)  # rank 0's chunk, then rank 1's, ...
         out[f.offset : f.offset + f.nbytes].copy_(whole[: f.nbytes])
+
+
+def gather_unit(ranks: Ranks, mine: torch.Tensor, chunks: Layout, full: Layout, out: torch.Tensor) -> None:
+    """All-gather the ranks' partitions and write each tensor whole into `out`, now."""
+    finish_gather(ranks, start_gather(ranks, mine, chunks), chunks, full, out)
 
 
 def scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layout, out: torch.Tensor) -> None:

@@ -122,7 +122,10 @@ class OffloadHandle:
         ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_stall_seconds``,
         ``activations_peak_host_bytes``, ``activations_bytes_written`` and ``activations_bytes_read``. The
         activations live in the same host cache as the parameters, so their bytes are also in ``bytes_read``,
-        ``bytes_written`` and the ``host`` entries (``peak_bytes['host']`` is at most the host budget).
+        ``bytes_written`` and the ``host`` entries (``peak_bytes['host']`` is at most the host budget). With
+        several ranks (zero otherwise): ``gathered_bytes`` (received by all-gathers), ``gather_wait_seconds``
+        (waited for them: the part compute did not hide), ``gathers_ahead`` (gathers started while the unit
+        before computed), ``reduced_bytes`` and ``reduce_seconds`` (gradients' reduce-scatters).
         """
         s = self.swapper.stats()
         rt = self.runtime
@@ -145,12 +148,15 @@ class OffloadHandle:
             "evictions": s.evictions,
             "device_budget": self.swapper.device_cap,
             **act,
+            **(dataclasses.asdict(rt.units[0].ranks.traffic) if rt.units else {}),
         }
 
     def reset_stats(self) -> None:
         """Start a new measuring window (peaks restart from what is held now)."""
         self.swapper.reset_stats()
         self.runtime.reset_stats()
+        if self.units:
+            self.units[0].ranks.traffic.reset()
 
     @contextmanager
     def gathered(self, *modules: nn.Module) -> Iterator[None]:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tiermem.distributed import Gathering
 from tiermem.runtime.activations import ActivationStore, _SavedActivation
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.unit import Unit
@@ -90,12 +91,16 @@ class Runtime:
         self._distance: tuple[int, dict[int, int]] = (-1, {})  # (cursor, unit -> acquisitions until next use)
         self.activations: ActivationStore | None = None  # saved activations on NVMe (activations.tier)
         self.moved_buffers: list[tuple[nn.Module, str, torch.device]] = []  # (module, name, origin) to give back
+        self._ahead: tuple[int, Gathering] | None = None  # a unit whose gather started early (several ranks)
+        self._charged: dict[int, int] = {}  # unit -> gathered bytes counted on the device's ledger
         swapper.next_use = self._next_use
         largest = max((u.nbytes for u in units), default=0)
         window = self.schedule.depth * largest
         if cfg.max_bytes is not None:
             window = min(window, cfg.max_bytes)
-        swapper.derive_device_cap(largest, window)
+        # with several ranks also the unit computing, gathered whole, and the next one's gather in flight
+        gathered = max((3 * u.ranks.world * u.nbytes for u in units if u.ranks.sharded), default=0)
+        swapper.derive_device_cap(largest, window, gathered)
 
     def _next_use(self, part: object) -> float:
         """Acquisitions until the schedule needs this partition again (inf when it never does)."""
@@ -132,6 +137,10 @@ class Runtime:
         self._saved_hooks.__enter__()
 
     def remove_hooks(self) -> None:
+        try:
+            self.settle()
+        except Exception as exc:  # noqa: BLE001 - another rank failed; exit goes on and reports what it must
+            log.warning("a gather started ahead did not finish: %s", exc)
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -335,17 +344,23 @@ class Runtime:
             return
         part = unit.partition
         sw = self.swapper
-        if sw.is_on_the_way(part, "device") or (not sw.mover.copies and sw.is_on_the_way(part, "host")):
+        ahead = self._take_ahead(i)
+        if ahead is not None or sw.is_on_the_way(part, "device") or (
+                not sw.mover.copies and sw.is_on_the_way(part, "host")):
             self.prefetch_hits += 1
         else:
             self.prefetch_misses += 1
         window = self.schedule.on_acquire(i)
         t0 = time.perf_counter()
         try:
-            # this unit's read is queued first; the window's reads start once it is marked in use
-            tensors = self.swapper.acquire(part, "device", before_wait=lambda: self._prefetch(window))
-            if unit.ranks.sharded:  # this rank's chunks: gather the unit whole (see [Note: sharding])
-                tensors = self._gather(unit)
+            if ahead is not None:  # its chunks are held on the device and its gather has been running
+                self._prefetch(window)
+                tensors = self._finish_gather(unit, ahead)
+            else:
+                # this unit's read is queued first; the window's reads start once it is marked in use
+                tensors = self.swapper.acquire(part, "device", before_wait=lambda: self._prefetch(window))
+                if unit.ranks.sharded:  # this rank's chunks: gather the unit whole (see [Note: sharding])
+                    tensors = self._finish_gather(unit, self._start_gather(unit))
         except BaseException:
             unit.depth -= 1
             raise
@@ -356,15 +371,84 @@ class Runtime:
             if j != i and self.units[j].depth == 0 and j not in window:
                 self.swapper.demote(self.units[j].partition)
                 self._on_device.discard(j)
+        if unit.ranks.sharded:
+            self._gather_ahead(i)
 
-    def _gather(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Unit `unit` whole on the device, from every rank's chunks; the memory goes when it is unbound."""
+    # -- several ranks: gathering units whole (see [Note: sharding] in tiermem/distributed.py) --------------
+    def _start_gather(self, unit: Unit) -> Gathering:
+        """Start the all-gather of `unit`, whose partition is acquired on the device (released on failure)."""
         try:
-            mine = unit.partition.flat("device")
-            return unit.gather(mine, self.swapper.mover.empty(unit.whole.size))
+            self._charge(unit, unit.ranks.world * unit.partition.size)  # the rows the gather fills
+            return unit.start_gather(unit.partition.flat("device"))
         except BaseException:
+            self._uncharge(unit)
             self.swapper.release(unit.partition, tier="device")
             raise
+
+    def _finish_gather(self, unit: Unit, g: Gathering) -> dict[str, torch.Tensor]:
+        """Unit `unit` whole on the device once `g` is done; that memory goes when the unit is unbound."""
+        try:
+            self._charge(unit, unit.whole.size)
+            tensors = unit.finish_gather(g, self.swapper.mover.empty(unit.whole.size))
+        except BaseException:
+            self._uncharge(unit)
+            self.swapper.release(unit.partition, tier="device")
+            raise
+        del g  # the rows go
+        self._uncharge(unit, keep=unit.whole.size)
+        return tensors
+
+    def _gather_ahead(self, i: int) -> None:
+        """Start gathering the unit the recorded order says comes next in this pass, so the collective runs
+        while unit `i` computes. Depends only on the order, so every rank starts the same gathers."""
+        j = self.schedule.next_in_pass()
+        if j is None or j == i or self.units[j].depth > 0 or self._ahead is not None:
+            return
+        unit = self.units[j]
+        t0 = time.perf_counter()
+        self.swapper.acquire(unit.partition, "device")  # its read was started with the window
+        self.stall_seconds += time.perf_counter() - t0
+        self._on_device.add(j)
+        self._ahead = (j, self._start_gather(unit))
+        unit.ranks.traffic.gathers_ahead += 1
+
+    def _take_ahead(self, i: int) -> Gathering | None:
+        """The gather started ahead for unit `i`, or None; one started for another unit is finished and
+        dropped (the prediction was wrong, on every rank alike)."""
+        if self._ahead is None:
+            return None
+        j, g = self._ahead
+        self._ahead = None
+        if j == i:
+            return g
+        self._drop_gather(j, g)
+        return None
+
+    def _drop_gather(self, j: int, g: Gathering) -> None:
+        unit = self.units[j]
+        try:
+            unit.ranks.wait(g.work)
+        finally:
+            self._uncharge(unit)
+            self.swapper.release(unit.partition, tier="device")
+
+    def settle(self) -> None:
+        """Finish a gather started ahead that no unit took (the with-block ends, or raised mid-pass)."""
+        if self._ahead is not None:
+            j, g = self._ahead
+            self._ahead = None
+            self._drop_gather(j, g)
+
+    def _charge(self, unit: Unit, nbytes: int) -> None:
+        """Count gathered memory on the device's ledger (it counts against memory.device_budget)."""
+        self.swapper.ledger.add("device", nbytes, f"unit {unit.name!r} gathered from {unit.ranks.world} ranks")
+        self._charged[unit.index] = self._charged.get(unit.index, 0) + nbytes
+
+    def _uncharge(self, unit: Unit, keep: int = 0) -> None:
+        n = self._charged.pop(unit.index, 0)
+        self.swapper.ledger.sub("device", n - keep)
+        if keep:
+            self._charged[unit.index] = keep
 
     def exit(self, i: int, *, dirty: bool = False, drop: bool = False) -> None:
         """Release unit `i`, keeping it on the device if the window needs it again (unless `drop`)."""
@@ -377,6 +461,8 @@ class Runtime:
         if dirty and unit.ranks.sharded:  # edits to the gathered unit (tm.gathered()): keep this rank's chunks
             unit.keep_chunks()
         unit.unbind()
+        if unit.ranks.sharded:
+            self._uncharge(unit)  # the gathered copy went with the last reference to it
         if torch.is_autocast_enabled(self.swapper.device.type):
             # autocast caches the low-precision copy of each parameter by the Parameter object until the
             # autocast block ends: without this, every released unit's copy would stay alive on the device

@@ -66,6 +66,13 @@ class Schedule:
             self.pos = (nxt + 1) % n
         return self.window()
 
+    def next_in_pass(self) -> int | None:
+        """The unit predicted next in this pass, or None (recording, the order went stale, or the pass is
+        at its end: the next prediction would be the next pass's first unit)."""
+        if self._recording is not None or self._stale or not self.order or self.pos == 0:
+            return None
+        return self.order[self.pos]
+
     def window(self) -> list[int]:
         """The next `depth` distinct units after the cursor, cut at `max_bytes`."""
         out: list[int] = []

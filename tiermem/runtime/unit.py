@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tiermem.distributed import Ranks, gather_unit
+from tiermem.distributed import Gathering, Ranks, finish_gather, start_gather
 from tiermem.swap import Layout, Partition
 
 
@@ -37,9 +37,18 @@ class Unit:
         return self.partition.size
 
     def gather(self, mine: torch.Tensor, out: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The unit whole, from this rank's partition `mine` (its flat bytes) and every other rank's, written
-        into `out` (`whole.size` bytes on the same device): its tensors by name."""
-        gather_unit(self.ranks, mine, self.partition.layout, self.whole, out)
+        """The unit whole, gathered now (see `start_gather` and `finish_gather`)."""
+        return self.finish_gather(self.start_gather(mine), out)
+
+    def start_gather(self, mine: torch.Tensor) -> Gathering:
+        """Start gathering the unit whole from this rank's partition `mine` (its flat bytes on the device) and
+        every other rank's."""
+        return start_gather(self.ranks, mine, self.partition.layout)
+
+    def finish_gather(self, g: Gathering, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Wait for `g` and write the unit whole into `out` (`whole.size` bytes on the same device): its
+        tensors by name."""
+        finish_gather(self.ranks, g, self.partition.layout, self.whole, out)
         return self.whole.views(out)
 
     def keep_chunks(self) -> None:

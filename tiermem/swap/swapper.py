@@ -10,8 +10,9 @@ demotes idle device copies (least recently used first, those fetched ahead for t
 raises BudgetError naming the setting when the partitions in use leave no room. With null, the runtime
 derives a cap from the prefetch settings (`derive_device_cap`): prefetches stay under it, so the device
 holds the units in use plus the window; only acquisitions themselves (a model whose modules nest more
-units than the cap foresaw) may go past it. A prefetch never demotes a partition fetched ahead and not
-yet used: when there is no room it is skipped.
+units than the cap foresaw) may go past it. With several ranks the units gathered whole count on the
+ledger too (the one computing and the next one's gather in flight). A prefetch never demotes a partition
+fetched ahead and not yet used: when there is no room it is skipped.
 """
 
 from __future__ import annotations
@@ -199,14 +200,14 @@ class TensorSwapper:
         with self._lock:
             part.pinned = keep
 
-    def derive_device_cap(self, largest_unit: int, window_bytes: int) -> None:
-        """Cap the device at what stays there for good, plus two units in use and the window, when
-        memory.device_budget is null (see [Note: device budget])."""
+    def derive_device_cap(self, largest_unit: int, window_bytes: int, gathered: int = 0) -> None:
+        """Cap the device at what stays there for good, plus two units in use, the window and `gathered` (units
+        gathered whole from several ranks), when memory.device_budget is null (see [Note: device budget])."""
         if self.config.memory.device_budget is not None:
             return
         with self._lock:
             fixed = sum(p.size for p in self.partitions.values() if p.home is Tier.DEVICE)
-            self.device_cap = fixed + 2 * largest_unit + window_bytes
+            self.device_cap = fixed + 2 * largest_unit + window_bytes + gathered
 
     # -- partitions ---------------------------------------------------------------------------------
     def add(self, name: str, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

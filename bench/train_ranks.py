@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""Training on several ranks: tiermem's ZeRO-3 sharding with NVMe tiers against DeepSpeed ZeRO-3 with NVMe
+offload, with PyTorch's DistributedDataParallel in memory as the baseline, side by side in one run.
+
+Every variant is launched the way its users launch it, with torchrun (`python3 -m torch.distributed.run
+--standalone --nproc-per-node N`), gloo as the backend and one PyTorch thread per rank (OMP_NUM_THREADS=1: N
+ranks share this machine's cores). The model, optimizer and batches are bench/train_offload.py's: GPT-2
+(n_embd 768, 12 layers, vocab 8192, 128 positions, dropout off, fp32), AdamW(lr=1e-4, weight_decay=0.01,
+fused=True), each rank its own batches of 2 x 128 random tokens (seeded by rank), loss = model(ids,
+labels=ids).loss. Variants:
+
+  ddp       torch.nn.parallel.DistributedDataParallel, everything in each rank's memory
+  tiermem   tiermem.tiered_offload(model, optimizer=AdamW) on every rank: params/optimizer on NVMe
+            (nvme.paths [--swap-dir/tiermem/rank{rank}]), grads.tier auto, optimizer.overlap_backward,
+            activations.tier nvme with --activations-buffer, memory.host_budget --host-budget per rank
+            (the settings of configs/train-lowmem.yaml); each rank keeps 1/N of every unit
+  deepspeed deepspeed.initialize with ZeRO stage 3, offload_param and offload_optimizer on NVMe
+            (--swap-dir/deepspeed), DS_ACCELERATOR=cpu, train_offload.py's config otherwise
+
+Each rank builds the model from the same seed (untimed), runs --warmup untimed steps and --steps timed
+steps; a step is zero_grad, forward, backward and the optimizer step (DeepSpeed: engine(ids),
+engine.backward, engine.step). A step's time is the slowest rank's (the ranks meet in every collective).
+Peak RSS per rank is reported for set-up (building the model in memory and entering) and, after resetting
+the peak (/proc/self/clear_refs 5), for the steps alone. tiermem's stats() give each rank's bytes read and
+written per step, bytes all-gathered and reduce-scattered, and the time spent waiting for gathers.
+
+Goals (issue 13): tiermem's step <= 0.5 x DeepSpeed's, and every rank's peak RSS during the steps <= its
+host budget + 0.5 GB. The report ends with a projection, on paper, of tiermem's step time for N ranks on N
+drives from the measured per-rank figures (see `project`).
+
+    python3 bench/train_ranks.py --json bench/results/train_ranks.json
+
+A quick debug run: --layers 2 --width 256 --vocab 1000 --host-budget 32MiB --activations-buffer 4MiB
+--rounds 1 --warmup 1 --steps 2.
+GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from _common import cpu_model, print_system_header, tiermem_tree, write_json  # bench/ is on sys.path
+from train_offload import (
+    ADAMW,
+    INPUT_SEED,
+    build_model,
+    deepspeed_config,
+    engine_bandwidth,
+    reset_peak_rss,
+    status_bytes,
+    wait_for_quiet,
+)
+
+from tiermem.benchmark import system_info
+from tiermem.sizes import format_size, parse_size
+
+DEFAULT_DIR = "/var/tmp/tiermem-ranks-bench"
+VARIANTS = ("ddp", "tiermem", "deepspeed")
+LABELS = {"ddp": "PyTorch DDP, in memory", "tiermem": "tiermem, NVMe tiers", "deepspeed": "DeepSpeed ZeRO-3 NVMe"}
+DS_GOAL = 0.5  # tiermem's step <= this x DeepSpeed's
+RSS_SLACK = 500 * 10**6  # a rank's peak RSS in the steps <= its host budget + this
+LAUNCH_TIMEOUT_S = 1800
+TRAFFIC = ("bytes_read", "bytes_written", "gathered_bytes", "gather_wait_seconds", "gathers_ahead", "reduced_bytes",
+           "reduce_seconds", "stall_seconds")
+
+
+# -- one rank (run by torchrun) ---------------------------------------------------------------------------
+def rank_batches(spec: dict[str, Any], rank: int, n: int) -> list[Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(INPUT_SEED + 1000 * rank)
+    return [torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=gen) for _ in range(n)]
+
+
+def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank of one variant: build, step, measure; the figures go to spec['out']/rank{R}.json."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out: dict[str, Any] = {"variant": spec["variant"], "rank": rank, "world": world,
+                           "torch_threads": torch.get_num_threads(), "rss_after_imports_bytes": status_bytes("VmRSS")}
+    t0 = time.perf_counter()
+    model = build_model(spec)
+    params = list(model.parameters())
+    out["parameters"] = sum(p.numel() for p in params)
+    batches = rank_batches(spec, rank, spec["warmup"] + spec["steps"])
+    tm = engine = ctx = None
+    if spec["variant"] == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=params,
+                                                 config=deepspeed_config(model, spec))
+        fwd: Any = engine
+    else:
+        dist.init_process_group("gloo")
+        if spec["variant"] == "ddp":
+            fwd = torch.nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(params, **ADAMW)
+        else:
+            import tiermem
+
+            ctx = tiermem.tiered_offload(model, optimizer=torch.optim.AdamW(params, **ADAMW), **spec["tiermem"])
+            tm = ctx.__enter__()
+            opt, fwd = tm.optimizer, model
+            out["units"] = len(tm.units)
+            out["plan"] = tm.plan_summary()
+    out["setup_seconds"] = time.perf_counter() - t0
+    out["setup_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_reset"] = reset_peak_rss()
+    samples = []
+    try:
+        for i, ids in enumerate(batches):
+            if tm is not None:
+                tm.reset_stats()
+            dist.barrier()  # every rank starts the step together: its time is the step's, not a wait for others
+            s0 = time.perf_counter()
+            if engine is None:
+                opt.zero_grad()
+                loss = fwd(ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+            else:
+                loss = fwd(ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+            sample: dict[str, Any] = {"warmup": i < spec["warmup"], "seconds": time.perf_counter() - s0,
+                                      "loss": float(loss.detach())}
+            if tm is not None:
+                st = tm.stats()
+                sample.update({k: st[k] for k in TRAFFIC})
+                sample["peak_host_bytes"] = st["peak_bytes"]["host"]
+            samples.append(sample)
+        out["steps_peak_rss_bytes"] = status_bytes("VmHWM") if out["peak_reset"] else None
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    out["samples"] = samples
+    dist.barrier()
+    return out
+
+
+def rank_main(spec_path: str) -> int:
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    rank = int(os.environ["RANK"])
+    import traceback
+
+    try:
+        out = rank_worker(spec)
+    except Exception as exc:  # reported to the parent with its traceback
+        out = {"rank": rank, "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f)
+    return 0
+
+
+# -- the parent ---------------------------------------------------------------------------------------------
+def launch(spec: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """Run one variant on `ranks` ranks with torchrun; returns every rank's figures (or an error)."""
+    folder = tempfile.mkdtemp(prefix=f"ranks-{spec['variant']}-")
+    spec = {**spec, "out": folder}
+    spec_path = os.path.join(folder, "spec.json")
+    with open(spec_path, "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if spec["variant"] == "deepspeed":
+        env["DS_ACCELERATOR"] = "cpu"
+        shutil.rmtree(spec["ds_swap_dir"], ignore_errors=True)  # stale swap files of another size break its start
+        os.makedirs(spec["ds_swap_dir"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           os.path.abspath(__file__), "_rank", spec_path]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+        results = []
+        for r in range(ranks):
+            path = os.path.join(folder, f"rank{r}.json")
+            if not os.path.exists(path):
+                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-30:])
+                return {"variant": spec["variant"], "error": f"rank {r} wrote no result (torchrun exited "
+                        f"{proc.returncode}):\n{tail}"}
+            with open(path, encoding="utf-8") as f:
+                results.append(json.load(f))
+        errors = [f"rank {x['rank']}: {x['error']}" for x in results if "error" in x]
+        if errors:
+            return {"variant": spec["variant"], "error": "\n".join(errors)}
+        return {"variant": spec["variant"], "ranks": results, "took_seconds": time.perf_counter() - t0,
+                "command": " ".join(["python3", *cmd[1:]])}
+    except subprocess.TimeoutExpired:
+        return {"variant": spec["variant"], "error": f"timed out after {LAUNCH_TIMEOUT_S} s"}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def step_seconds(run: dict[str, Any]) -> list[float]:
+    """Each timed step's time: the slowest rank's."""
+    per_rank = [[s["seconds"] for s in r["samples"] if not s["warmup"]] for r in run["ranks"]]
+    return [max(xs) for xs in zip(*per_rank, strict=True)]
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def summarize(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for v in variants:
+        ok = [r for r in runs if r["variant"] == v and "error" not in r]
+        if not ok:
+            failed = [r for r in runs if r["variant"] == v]
+            out[v] = {"error": failed[-1]["error"] if failed else "not run"}
+            continue
+        secs = [s for r in ok for s in step_seconds(r)]
+        ranks = [x for r in ok for x in r["ranks"]]
+        entry: dict[str, Any] = {
+            "processes": len(ok), "steps": len(secs), "seconds_mean": _mean(secs),
+            "seconds_std": statistics.stdev(secs) if len(secs) > 1 else 0.0,
+            "round_means": [_mean(step_seconds(r)) for r in ok],
+            "steps_peak_rss_bytes_max": max((x["steps_peak_rss_bytes"] or 0) for x in ranks) or None,
+            "setup_peak_rss_bytes_max": max(x["setup_peak_rss_bytes"] for x in ranks),
+            "setup_seconds_mean": _mean([x["setup_seconds"] for x in ranks]),
+        }
+        if v == "tiermem":
+            timed = [s for x in ranks for s in x["samples"] if not s["warmup"]]
+            for key in TRAFFIC:
+                entry[f"{key}_per_rank_mean"] = _mean([s[key] for s in timed])
+            entry["peak_host_bytes_max"] = max(s["peak_host_bytes"] for s in timed)
+            entry["plan"] = ranks[0]["plan"]
+        out[v] = entry
+    return out
+
+
+def compare_losses(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """tiermem's losses against DDP's of the same round, rank by rank (not bit-exact: DDP all-reduces in
+    buckets, tiermem reduce-scatters per unit, so the gradients' sums round differently)."""
+    by = {(r["variant"], r["round"]): r for r in runs if "error" not in r}
+    diffs = []
+    for (v, rnd), run in by.items():
+        ref = by.get(("ddp", rnd))
+        if v != "tiermem" or ref is None:
+            continue
+        for a, b in zip(run["ranks"], ref["ranks"], strict=True):
+            diffs += [abs(x["loss"] - y["loss"]) for x, y in zip(a["samples"], b["samples"], strict=True)]
+    return {"steps": len(diffs), "max_abs_diff": max(diffs)} if diffs else None
+
+
+def project(tm: dict[str, Any], bw: dict[str, Any] | None, ranks: int, upto: int = 8) -> list[dict[str, Any]]:
+    """tiermem's step time for N ranks on N drives, on paper, from the measured per-rank figures.
+
+    Each rank keeps its batch (data parallel), so its compute stays what it was; its NVMe bytes per step
+    scale with 1/N (each rank holds 1/N of every unit), its collective bytes with (N-1)/N. The measured
+    step is split into what was not waiting for a collective (compute plus I/O, which the measured run
+    hid behind compute or counted as stall) and the time spent waiting for gathers and in reduce-scatters.
+    The projection keeps the first part, or the I/O time at the measured engine bandwidth if that is
+    longer, and scales the collective time with its bytes at the rate measured here (loopback between two
+    processes: another network has another rate, so this part is the one to redo with its figures)."""
+    step = tm["seconds_mean"]
+    coll = tm["gather_wait_seconds_per_rank_mean"] + tm["reduce_seconds_per_rank_mean"]
+    rest = step - coll
+    out = []
+    for n in [ranks, *[k for k in (2, 4, 8) if k != ranks and k <= upto]]:
+        io_bytes = (tm["bytes_read_per_rank_mean"], tm["bytes_written_per_rank_mean"])
+        scaled_io = [b * ranks / n for b in io_bytes]
+        io_s = (scaled_io[0] / (bw["read"]["gbps_mean"] * 1e9) + scaled_io[1] / (bw["write"]["gbps_mean"] * 1e9)
+                if bw and "read" in bw else None)
+        coll_n = coll * ((n - 1) / n) / ((ranks - 1) / ranks)
+        out.append({"ranks": n, "nvme_bytes_per_rank": sum(scaled_io), "io_seconds": io_s,
+                    "collective_seconds": coll_n, "step_seconds": max(rest, io_s or 0.0) + coll_n})
+    return sorted(out, key=lambda x: x["ranks"])
+
+
+def goals(summary: dict[str, dict[str, Any]], budget: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tm, ds = summary.get("tiermem", {}), summary.get("deepspeed", {})
+    if "seconds_mean" in tm and "seconds_mean" in ds:
+        ratio = tm["seconds_mean"] / ds["seconds_mean"]
+        out["vs_deepspeed"] = {"held": ratio <= DS_GOAL, "ratio": ratio, "goal": DS_GOAL}
+    if tm.get("steps_peak_rss_bytes_max"):
+        limit = budget + RSS_SLACK
+        out["rss"] = {"held": tm["steps_peak_rss_bytes_max"] <= limit, "peak": tm["steps_peak_rss_bytes_max"],
+                      "limit": limit}
+    return out
+
+
+def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], losses: dict[str, Any] | None,
+                 projection: list[dict[str, Any]] | None, ranks: int) -> None:
+    print(f"\n{ranks} ranks | variant | s/step (mean ± sd) | per round | peak RSS per rank, steps GB | set-up GB")
+    for v, e in summary.items():
+        if "error" in e:
+            print(f"  {LABELS[v]:<24} FAILED: {e['error'].splitlines()[0]}")
+            continue
+        steps_peak = e["steps_peak_rss_bytes_max"]
+        print(f"  {LABELS[v]:<24} {e['seconds_mean']:.3f} ± {e['seconds_std']:.3f}  "
+              + " ".join(f"{x:.3f}" for x in e["round_means"])
+              + f"  {steps_peak / 1e9 if steps_peak else float('nan'):.2f}  {e['setup_peak_rss_bytes_max'] / 1e9:.2f}")
+    tm = summary.get("tiermem", {})
+    if "seconds_mean" in tm:
+        mb = {k: tm[f"{k}_per_rank_mean"] / 1e6 for k in ("bytes_read", "bytes_written", "gathered_bytes",
+                                                          "reduced_bytes")}
+        print(f"\ntiermem per rank per step: read {mb['bytes_read']:.0f} MB, written {mb['bytes_written']:.0f} MB, "
+              f"all-gathered {mb['gathered_bytes']:.0f} MB (waited {tm['gather_wait_seconds_per_rank_mean']:.3f} s; "
+              f"{tm['gathers_ahead_per_rank_mean']:.0f} gathers started ahead), reduce-scattered "
+              f"{mb['reduced_bytes']:.0f} MB in {tm['reduce_seconds_per_rank_mean']:.3f} s, stalled "
+              f"{tm['stall_seconds_per_rank_mean']:.3f} s; host tier peak {format_size(tm['peak_host_bytes_max'])}")
+        print(f"  plan (rank 0): {tm['plan']}")
+    if losses:
+        print(f"losses, tiermem against DDP: max |diff| {losses['max_abs_diff']:.2e} over {losses['steps']} "
+              "rank-steps")
+    for name, g in verdict.items():
+        if name == "vs_deepspeed":
+            print(f"goal tiermem <= {g['goal']} x DeepSpeed: {'held' if g['held'] else 'NOT held'} ({g['ratio']:.2f}x)")
+        else:
+            print(f"goal peak RSS per rank <= host budget + 0.5 GB: {'held' if g['held'] else 'NOT held'} "
+                  f"({g['peak'] / 1e9:.2f} GB, limit {g['limit'] / 1e9:.2f} GB)")
+    if projection:
+        print("projection (paper) for N ranks on N drives: " + "; ".join(
+            f"N={p['ranks']}: {p['step_seconds']:.2f} s/step, NVMe {p['nvme_bytes_per_rank'] / 1e6:.0f} MB/rank, "
+            f"collectives {p['collective_seconds']:.2f} s" for p in projection))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2, help="ranks per variant (default 2)")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--heads", type=int, default=None, help="default: width / 64")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every variant once (default 2)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--host-budget", default="384MiB", help="tiermem's memory.host_budget per rank (default 384MiB)")
+    p.add_argument("--activations-buffer", default="64MiB", help="tiermem's activations.buffer (default 64MiB)")
+    p.add_argument("--swap-dir", default=os.path.join(DEFAULT_DIR, "swap"))
+    p.add_argument("--io-size", default="1GiB", help="bytes per transfer of the bandwidth test (default 1GiB)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    p.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait at most, before each launch, "
+                   "for other processes to leave the CPUs idle (default 60; 0: do not wait)")
+    p.add_argument("--json", metavar="OUT.json", default=None)
+    args = p.parse_args(argv)
+    args.heads = args.heads or max(1, args.width // 64)
+    try:
+        args.host_budget_bytes = parse_size(args.host_budget, what="--host-budget")
+    except ValueError as exc:
+        p.error(str(exc))
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if bad or args.ranks < 2:
+        p.error(f"--variants: unknown {bad}" if bad else "--ranks must be at least 2")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["_rank"]:
+        return rank_main(argv[1])
+    args = parse_args(argv)
+    tm_swap, ds_swap, io_dir = (os.path.join(args.swap_dir, d) for d in ("tiermem", "deepspeed", "io"))
+    os.makedirs(tm_swap, exist_ok=True)
+    system = system_info([args.swap_dir])
+    system.update(cpu_model=cpu_model(), tiermem_tree=tiermem_tree(),
+                  memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    versions = {}
+    for name in ("tiermem", "torch", "transformers", "deepspeed"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    print_system_header(f"train_ranks: {args.ranks} ranks", system, versions)
+    base = {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": args.vocab, "seq": args.seq,
+            "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "ds_swap_dir": ds_swap,
+            "tiermem": {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme",
+                        "memory.host_budget": args.host_budget, "nvme.paths": [os.path.join(tm_swap, "rank{rank}")],
+                        "io.engine": "io_uring", "optimizer.overlap_backward": True, "activations.tier": "nvme",
+                        "activations.buffer": args.activations_buffer}}
+    variants = args.variants.split(",")
+    runs: list[dict[str, Any]] = []
+    bandwidth = None
+    t_start = time.perf_counter()
+    try:
+        bandwidth = engine_bandwidth(io_dir, args.io_size)
+        print(f"tiermem io_uring on the swap folder: read {bandwidth['read']['gbps_mean']:.2f} GB/s, write "
+              f"{bandwidth['write']['gbps_mean']:.2f} GB/s", file=sys.stderr, flush=True)
+    except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as exc:
+        print(f"bandwidth failed: {exc}", file=sys.stderr)
+    for rnd in range(args.rounds):
+        for v in variants[rnd % len(variants):] + variants[: rnd % len(variants)]:
+            quiet = wait_for_quiet(args.quiet_wait, 0.3) if args.quiet_wait > 0 else None
+            run = launch({**base, "variant": v}, args.ranks)
+            run.update(round=rnd, quiet_before=quiet)
+            runs.append(run)
+            if "error" in run:
+                print(f"[{rnd + 1}/{args.rounds}] {LABELS[v]}: FAILED\n{run['error']}", file=sys.stderr, flush=True)
+            else:
+                print(f"[{rnd + 1}/{args.rounds}] {LABELS[v]}: " + " ".join(f"{x:.3f}" for x in step_seconds(run))
+                      + f" s/step ({run['took_seconds']:.0f} s)", file=sys.stderr, flush=True)
+    summary = summarize(runs, variants)
+    verdict = goals(summary, args.host_budget_bytes)
+    losses = compare_losses(runs)
+    projection = project(summary["tiermem"], bandwidth, args.ranks) if "seconds_mean" in summary.get(
+        "tiermem", {}) else None
+    print_report(summary, verdict, losses, projection, args.ranks)
+    if args.json:
+        write_json(args.json, {"system": system, "versions": versions, "args": vars(args), "bandwidth": bandwidth,
+                               "summary": summary, "goals": verdict, "losses": losses, "projection": projection,
+                               "runs": runs, "seconds": time.perf_counter() - t_start,
+                               "command": "python3 bench/train_ranks.py " + " ".join(argv)})
+    return 0 if all("error" not in e for e in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
