@@ -14,6 +14,8 @@ labels=ids).loss. Variants:
             (nvme.paths [--swap-dir/tiermem/rank{rank}]), grads.tier auto, optimizer.overlap_backward,
             activations.tier nvme with --activations-buffer, memory.host_budget --host-budget per rank
             (the settings of configs/train-lowmem.yaml); each rank keeps 1/N of every unit
+  tiermem_one  the same on one rank (torchrun --nproc-per-node 1, one batch per step): what sharding costs
+            or saves per rank, in time, bytes and RSS
   deepspeed deepspeed.initialize with ZeRO stage 3, offload_param and offload_optimizer on NVMe
             (--swap-dir/deepspeed), DS_ACCELERATOR=cpu, train_offload.py's config otherwise
 
@@ -66,8 +68,9 @@ from tiermem.benchmark import system_info
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/tiermem-ranks-bench"
-VARIANTS = ("ddp", "tiermem", "deepspeed")
-LABELS = {"ddp": "PyTorch DDP, in memory", "tiermem": "tiermem, NVMe tiers", "deepspeed": "DeepSpeed ZeRO-3 NVMe"}
+VARIANTS = ("ddp", "tiermem", "tiermem_one", "deepspeed")
+LABELS = {"ddp": "PyTorch DDP, in memory", "tiermem": "tiermem, NVMe tiers", "tiermem_one": "tiermem, one rank",
+          "deepspeed": "DeepSpeed ZeRO-3 NVMe"}
 DS_GOAL = 0.5  # tiermem's step <= this x DeepSpeed's
 RSS_SLACK = 500 * 10**6  # a rank's peak RSS in the steps <= its host budget + this
 LAUNCH_TIMEOUT_S = 1800
@@ -233,7 +236,7 @@ def summarize(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict
             "setup_peak_rss_bytes_max": max(x["setup_peak_rss_bytes"] for x in ranks),
             "setup_seconds_mean": _mean([x["setup_seconds"] for x in ranks]),
         }
-        if v == "tiermem":
+        if v.startswith("tiermem"):
             timed = [s for x in ranks for s in x["samples"] if not s["warmup"]]
             for key in TRAFFIC:
                 entry[f"{key}_per_rank_mean"] = _mean([s[key] for s in timed])
@@ -306,13 +309,15 @@ def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], lo
         print(f"  {LABELS[v]:<24} {e['seconds_mean']:.3f} ± {e['seconds_std']:.3f}  "
               + " ".join(f"{x:.3f}" for x in e["round_means"])
               + f"  {steps_peak / 1e9 if steps_peak else float('nan'):.2f}  {e['setup_peak_rss_bytes_max'] / 1e9:.2f}")
-    tm = summary.get("tiermem", {})
-    if "seconds_mean" in tm:
+    for key in ("tiermem", "tiermem_one"):
+        tm = summary.get(key, {})
+        if "seconds_mean" not in tm:
+            continue
         mb = {k: tm[f"{k}_per_rank_mean"] / 1e6 for k in ("bytes_read", "bytes_written", "gathered_bytes",
                                                           "reduced_bytes")}
-        print(f"\ntiermem per rank per step: read {mb['bytes_read']:.0f} MB, written {mb['bytes_written']:.0f} MB, "
-              f"all-gathered {mb['gathered_bytes']:.0f} MB (waited {tm['gather_wait_seconds_per_rank_mean']:.3f} s; "
-              f"{tm['gathers_ahead_per_rank_mean']:.0f} gathers started ahead), reduce-scattered "
+        print(f"\n{LABELS[key]}, per rank per step: read {mb['bytes_read']:.0f} MB, written {mb['bytes_written']:.0f} "
+              f"MB, all-gathered {mb['gathered_bytes']:.0f} MB (waited {tm['gather_wait_seconds_per_rank_mean']:.3f} "
+              f"s; {tm['gathers_ahead_per_rank_mean']:.0f} gathers started ahead), reduce-scattered "
               f"{mb['reduced_bytes']:.0f} MB in {tm['reduce_seconds_per_rank_mean']:.3f} s, stalled "
               f"{tm['stall_seconds_per_rank_mean']:.3f} s; host tier peak {format_size(tm['peak_host_bytes_max'])}")
         print(f"  plan (rank 0): {tm['plan']}")
@@ -398,7 +403,7 @@ def main(argv: list[str]) -> int:
     for rnd in range(args.rounds):
         for v in variants[rnd % len(variants):] + variants[: rnd % len(variants)]:
             quiet = wait_for_quiet(args.quiet_wait, 0.3) if args.quiet_wait > 0 else None
-            run = launch({**base, "variant": v}, args.ranks)
+            run = launch({**base, "variant": v}, 1 if v == "tiermem_one" else args.ranks)
             run.update(round=rnd, quiet_before=quiet)
             runs.append(run)
             if "error" in run:
