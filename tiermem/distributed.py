@@ -146,24 +146,36 @@ class Ranks:
         finally:
             self.traffic.gather_wait_seconds += time.perf_counter() - t0
 
-    def reduce_scatter_mean(self, out: torch.Tensor, rows: torch.Tensor) -> None:
-        """`out` = this rank's row of `rows` (`world` equal rows, flat) summed over the ranks, divided by the
-        number of ranks (the average DDP takes). `rows` is scratch afterwards."""
+    def start_reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Any:
+        """Start summing `rows` (`world` equal rows, flat) over the ranks, this rank's row of the sum into `out`
+        (see `finish_reduce_scatter`); `rows` is scratch afterwards."""
         import torch.distributed as dist
 
         t0 = time.perf_counter()
         what = "reduce-scattering gradients"
         if self.by_rank:
             parts = rows.view(self.world, -1)
-            _AllOf([self._run(what, dist.reduce, parts[r], self._global(r), async_op=True)
-                    for r in range(self.world)]).wait()
-            out.copy_(parts[self.rank])
+            work: Any = _AllOf([self._run(what, dist.reduce, parts[r], self._global(r), async_op=True)
+                                for r in range(self.world)])
         else:
             scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            self._run(what, scatter, out, rows)  # SUM: gloo has no AVG
-        out.div_(self.world)
+            work = self._run(what, scatter, out, rows, async_op=True)  # SUM: gloo has no AVG
         self.traffic.reduced_bytes += rows.numel() * rows.element_size()
         self.traffic.reduce_seconds += time.perf_counter() - t0
+        return work
+
+    def finish_reduce_scatter(self, work: Any, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """Wait for `work` and leave in `out` the mean over the ranks (the average DDP takes)."""
+        t0 = time.perf_counter()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise self._failed("reduce-scattering gradients", exc) from exc
+        finally:
+            self.traffic.reduce_seconds += time.perf_counter() - t0
+        if self.by_rank:
+            out.copy_(rows.view(self.world, -1)[self.rank])
+        out.div_(self.world)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
@@ -235,10 +247,18 @@ def gather_unit(ranks: Ranks, mine: torch.Tensor, chunks: Layout, full: Layout, 
     finish_gather(ranks, start_gather(ranks, mine, chunks), chunks, full, out)
 
 
-def scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layout, out: torch.Tensor) -> None:
-    """Reduce-scatter whole tensors (by name; `whole` is emptied as they are laid out, so each goes as soon
-    as it is copied): `out` (fp32 bytes laid out as `chunks`) gets this rank's chunk of each, averaged over
-    the ranks. Names missing from `whole` count as zeros."""
+@dataclass
+class Reducing:
+    """A reduce-scatter of one unit's gradients in flight (see `start_scatter_sum`)."""
+
+    rows: torch.Tensor
+    work: Any
+
+
+def start_scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layout, out: torch.Tensor) -> Reducing:
+    """Start reduce-scattering whole tensors (by name; `whole` is emptied as they are laid out, so each goes
+    as soon as it is copied) into `out` (fp32 bytes laid out as `chunks`): once `finish_scatter_sum` returns,
+    it holds this rank's chunk of each, averaged over the ranks. Names missing from `whole` count as zeros."""
     rows = torch.zeros(ranks.world, chunks.size // 4, dtype=torch.float32, device=out.device)
     for c in chunks.slots:
         g = whole.pop(c.name, None)
@@ -249,4 +269,17 @@ def scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layout, ou
             piece = flat[r * n : (r + 1) * n]
             rows[r, start : start + piece.numel()].copy_(piece)
         del g, flat
-    ranks.reduce_scatter_mean(out.view(torch.float32)[: chunks.size // 4], rows.view(-1))
+    return Reducing(rows, ranks.start_reduce_scatter(_fp32(out, chunks), rows.view(-1)))
+
+
+def finish_scatter_sum(ranks: Ranks, r: Reducing, chunks: Layout, out: torch.Tensor) -> None:
+    ranks.finish_reduce_scatter(r.work, _fp32(out, chunks), r.rows.view(-1))
+
+
+def scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layout, out: torch.Tensor) -> None:
+    """`start_scatter_sum` and `finish_scatter_sum`, now."""
+    finish_scatter_sum(ranks, start_scatter_sum(ranks, whole, chunks, out), chunks, out)
+
+
+def _fp32(out: torch.Tensor, chunks: Layout) -> torch.Tensor:
+    return out.view(torch.float32)[: chunks.size // 4]

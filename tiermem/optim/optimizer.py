@@ -31,7 +31,7 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
 from tiermem.device import check_host
-from tiermem.distributed import scatter_sum
+from tiermem.distributed import Reducing, finish_scatter_sum, start_scatter_sum
 from tiermem.errors import OptimizerError
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
@@ -96,6 +96,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.found_inf = False  # an inf/nan gradient arrived since zero_grad: the next step is skipped
         self.skipped_steps = 0
         self.overlap = swapper.config.optimizer.overlap_backward  # update units during backward
+        # several ranks: the unit whose gradients' reduce-scatter is in flight (see finish_grads)
+        self._reducing: tuple[UnitOptimState, list[str], torch.Tensor, Reducing] | None = None
         self.index_of: dict[int, int] = {}  # id(param) -> index in torch's state_dict numbering
         self.group_of: dict[int, int] = {}
         for g, group in enumerate(original.param_groups):
@@ -258,12 +260,54 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def finish_grads(self, unit_index: int) -> None:
         """The unit's backward is over: bring its gradients off the device in one copy, and let its
-        accumulators go (written back if their tier is NVMe)."""
+        accumulators go (written back if their tier is NVMe). With several ranks their reduce-scatter starts
+        now and is finished when the next unit's starts, or when backward ends (`settle_grads`): it runs while
+        the next unit computes its backward."""
         st = self.by_unit.get(unit_index)
         if st is None:
             return
+        if st.on_device and st.unit.ranks.sharded:
+            self.settle_grads()
+            fresh, st.on_device = st.on_device, {}
+            names = list(fresh)
+            flat = self.swapper.mover.empty(st.grads.size).zero_()  # zeros between tensors: checked for inf
+            with torch.no_grad():  # each rank gets its chunks, averaged over the ranks ([Note: sharding])
+                self._reducing = (st, names, flat, start_scatter_sum(st.unit.ranks, fresh, st.grads.layout, flat))
+            return
         if st.on_device:
-            self._gradients_to_host(st)
+            fresh, st.on_device = st.on_device, {}
+            flat = self.swapper.mover.empty(st.grads.size).zero_()
+            views = st.grads.layout.views(flat)
+            with torch.no_grad():
+                for fqn, grad in fresh.items():
+                    views[fqn].copy_(grad)  # the cast to fp32 runs on the device
+            self._gradients_to_host(st, list(fresh), flat)
+        self._let_grads_go(st)
+
+    def settle_grads(self, *, discard: bool = False) -> None:
+        """Finish the reduce-scatter in flight (several ranks): its unit's gradients go into their
+        accumulators, and with overlap_backward the unit is updated. `discard`: a backward that raised; wait
+        for the collective, keep nothing."""
+        if self._reducing is None:
+            return
+        st, names, flat, reducing = self._reducing
+        self._reducing = None
+        finish_scatter_sum(st.unit.ranks, reducing, st.grads.layout, flat)
+        if discard:
+            return
+        self._gradients_to_host(st, names, flat)
+        self._let_grads_go(st)
+        self._update_during_backward(st)
+
+    def drop_grads(self, unit_index: int) -> None:
+        """A backward that raised: forget the unit's fresh gradients (no collective: the other ranks may not
+        be here) and let its accumulators go."""
+        st = self.by_unit.get(unit_index)
+        if st is not None:
+            st.on_device = {}
+            self._let_grads_go(st)
+
+    def _let_grads_go(self, st: UnitOptimState) -> None:
         if st.grads_held:
             st.grads_held = False
             self.swapper.release(st.grads, dirty=True)
@@ -288,22 +332,10 @@ class TieredOptimizer(torch.optim.Optimizer):
                     view.copy_(grad)
             st.has_grad.add(fqn)
 
-    def _gradients_to_host(self, st: UnitOptimState) -> None:
-        """The unit's device gradients, cast to fp32 on the device into one flat buffer laid out as the
-        accumulators, then one copy to the host: straight into the accumulators when none holds an earlier
-        micro-batch's gradient, else into a staging buffer from the host pool that is added on the host."""
-        fresh, st.on_device = st.on_device, {}
-        names = list(fresh)
-        mover = self.swapper.mover
-        flat = mover.empty(st.grads.size).zero_()  # zeros between tensors: the whole buffer is checked for inf
-        with torch.no_grad():
-            if st.unit.ranks.sharded:  # each rank gets its chunks, averaged over the ranks ([Note: sharding])
-                scatter_sum(st.unit.ranks, fresh, st.grads.layout, flat)
-            else:
-                views = st.grads.layout.views(flat)
-                for fqn, grad in fresh.items():
-                    views[fqn].copy_(grad)  # the cast to fp32 runs on the device
-        del fresh
+    def _gradients_to_host(self, st: UnitOptimState, names: list[str], flat: torch.Tensor) -> None:
+        """The unit's gradients `names`, in fp32 on the device in one flat buffer laid out as the accumulators,
+        in one copy to the host: straight into the accumulators when none holds an earlier micro-batch's
+        gradient, else into a staging buffer from the host pool that is added on the host."""
         if self.loss_scaling and not self.found_inf and not bool(torch.isfinite(flat.view(torch.float32)).all()):
             self.found_inf = True
         grads = self._hold_grads(st)
@@ -334,9 +366,15 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.swapper.prefetch(st.state, "host")
 
     def unit_grads_done(self, unit_index: int) -> bool:
-        """All of the unit's gradients are in: with overlap_backward, update it now. True if it was updated."""
+        """All of the unit's gradients are in: with overlap_backward, update it now. True if it was updated
+        (with several ranks it is updated once its reduce-scatter is settled, later)."""
         st = self.by_unit.get(unit_index)
-        if not self.overlap or st is None or not st.has_grad or self.found_inf:
+        if st is None or st.unit.ranks.sharded:
+            return False
+        return self._update_during_backward(st)
+
+    def _update_during_backward(self, st: UnitOptimState) -> bool:
+        if not self.overlap or not st.has_grad or self.found_inf:
             return False
         self._update_unit(st)
         st.updated = True

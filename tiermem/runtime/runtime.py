@@ -209,9 +209,11 @@ class Runtime:
         """Autograd drops the end callback of a backward that raised (a read that failed, a Ctrl-C): give back
         what that backward held before the next pass needs the room, without updating anything."""
         self._end_brief_holds()
+        if self.optimizer is not None:
+            self.optimizer.settle_grads(discard=True)  # the reduce-scatter in flight meets the other ranks'
         for i in sorted(self._bwd_held):
             if self.optimizer is not None:
-                self.optimizer.finish_grads(i)  # lets go of the unit's accumulators; zero_grad clears them
+                self.optimizer.drop_grads(i)  # lets go of the unit's accumulators; zero_grad clears them
             self.exit(i, drop=True)
         self._bwd_held.clear()
         self._bwd_done.clear()
@@ -259,6 +261,8 @@ class Runtime:
         self._end_brief_holds()
         for i in sorted(self._bwd_held | {j for j, n in self._bwd_done.items() if n >= 0}):
             self._finish_unit_backward(i)  # units some of whose parameters got no gradient
+        if self.optimizer is not None:
+            self.optimizer.settle_grads()  # the last unit's reduce-scatter (several ranks)
         self._bwd_done.clear()
         self._in_backward = False
         if self._awaiting_backward:
