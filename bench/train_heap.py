@@ -2,7 +2,7 @@
 """Where (c'')'s resident memory goes: glibc's heap against the bytes in use, block by block.
 
 Builds bench/train_offload.py's GPT-2 (use_cache=False) with variant (c'')'s settings (nvme tiers,
-optimizer.overlap_backward, activations.tier nvme, 544 MiB host budget, 64 MiB activation buffer), runs --steps
+lazy updates (the default), activations.tier nvme, 544 MiB host budget, 64 MiB activation buffer), runs --steps
 training steps, and prints after every transformer block's forward, and after each forward and backward: VmRSS,
 glibc's heap size
 (mallinfo2 arena: every byte the heap holds, in use or free) and the bytes in use (uordblks). Memory that
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     overrides: dict[str, Any] = {
         "device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme", "grads.tier": "cpu",
         "memory.host_budget": "544MiB", "nvme.paths": [args.swap_dir], "io.engine": "io_uring",
-        "optimizer.overlap_backward": True, "activations.tier": "nvme", "activations.buffer": "64MiB"}
+        "activations.tier": "nvme", "activations.buffer": "64MiB"}
     gen = torch.Generator().manual_seed(1234)
     try:
         with tiermem.tiered_offload(model, optimizer=opt, **overrides) as tm:

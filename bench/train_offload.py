@@ -14,8 +14,10 @@ seed, in host memory, and sees the same batches in the same order. Variants:
   (b) tiermem cpu       tiermem.tiered_offload(model, optimizer=AdamW, device=cpu, params/optimizer/grads.tier
                         cpu, memory.host_budget=--cpu-host-budget): every tier in host memory
   (c) tiermem nvme      the same with params.tier nvme, optimizer.tier nvme, grads.tier --grads-tier,
-                        memory.host_budget=--host-budget, io.engine io_uring, nvme.paths [--swap-dir/tiermem]
-  (c') tiermem nvme     (c) with optimizer.overlap_backward: each unit is updated during backward
+                        memory.host_budget=--host-budget, io.engine io_uring, nvme.paths [--swap-dir/tiermem],
+                        optimizer.update step: every unit updated inside step()
+  (c') tiermem nvme     (c) with optimizer.update lazy, the default: each unit's update is applied as the
+                        next forward fetches it
   (c'') tiermem nvme    (c') with activations.tier nvme and activations.buffer --activations-buffer (part of
                         the same host budget): saved activations go to swap in forward and come back for backward
   (c''/pt) tiermem nvme (c'') with memory.cpu_allocator torch: PyTorch's own CPU allocator in place of
@@ -27,6 +29,10 @@ seed, in host memory, and sees the same batches in the same order. Variants:
                         Debian's libjemalloc2; MALLOC_CONF=background_thread:true), only when named in --variants
   (a/mi), (c''/mi)      the same with mimalloc (LD_PRELOAD=libmimalloc.so.2, from Debian's libmimalloc2.0, its
                         defaults), only when named in --variants
+  (e) tiermem defaults  tiermem.tiered_offload(model, optimizer=AdamW, device=cpu, nvme.paths [--swap-dir/tiermem],
+                        memory.host_budget=--host-budget) and nothing else: what a user who sets only where and
+                        how much gets (issue 14's goals are on it)
+  (e/t)                 (e) recording a timeline trace (trace.path), only when named in --variants: its cost
   (d) DeepSpeed ZeRO-3  deepspeed.initialize with zero_optimization stage 3, offload_param and
                         offload_optimizer on NVMe (--swap-dir/deepspeed), its own AdamW (DeepSpeedCPUAdam),
                         DS_ACCELERATOR=cpu, gloo, one process; offload_param.buffer_count = the number of
@@ -109,6 +115,8 @@ IO_GOAL = 1.3  # (c) <= this x max((a), bytes moved per step / engine bandwidth)
 DS_GOAL = 0.5  # (c) <= this x (d)
 RSS_SLACK = 600 * 10**6  # (c) peak RSS <= host budget + this
 OPTIMIZER_GOAL = 0.9  # (b) tm.optimizer.step() parameters/s >= this x torch.optim.AdamW.step()'s
+# Issue 14, for (e) the defaults: <= this x (a) and x (d); peak RSS of the steps above the RSS after imports
+DEFAULT_PLAIN_GOAL, DEFAULT_DS_GOAL, DEFAULT_RSS_SLACK = 1.1, 0.4, 300 * 10**6
 MIN_STATE_TO_BUDGET = 2  # the training state should be at least this x the host budget of (c)
 
 
@@ -144,8 +152,12 @@ VARIANTS = (
     Variant("plain", "(a) plain PyTorch", "plain"),
     Variant("tiermem_cpu", "(b) tiermem cpu tiers", "tiermem"),
     Variant("tiermem_nvme", "(c) tiermem nvme tiers", "tiermem"),
-    Variant("tiermem_overlap", "(c') (c) + optimizer.overlap_backward", "tiermem"),
+    Variant("tiermem_lazy", "(c') (c) + optimizer.update lazy", "tiermem"),
     Variant("tiermem_act", "(c'') (c') + activations.tier nvme", "tiermem"),
+    # the defaults: only the swap folder and the host budget set
+    Variant("tiermem_default", "(e) tiermem defaults", "tiermem"),
+    # (e) recording a trace (trace.path): what tracing costs, against (e) in the same run
+    Variant("tiermem_default_traced", "(e/t) (e) + trace.path", "tiermem", default=False),
     # (c'') with PyTorch's own CPU allocator in place of tiermem's (memory.cpu_allocator: torch)
     Variant("tiermem_act_torchalloc", "(c''/pt) (c'') + memory.cpu_allocator torch", "tiermem"),
     # a diagnostic, not run by default: glibc told to map every allocation of 256 KiB or more on its own and
@@ -161,7 +173,8 @@ VARIANTS = (
     Variant("deepspeed", "(d) DeepSpeed ZeRO-3 NVMe", "deepspeed"),
 )
 BY_KEY = {v.key: v for v in VARIANTS}
-GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_overlap", "_overlap"), ("tiermem_act", "_act"),
+GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_lazy", "_lazy"), ("tiermem_default", "_default"),
+                 ("tiermem_act", "_act"),
                  ("tiermem_act_torchalloc", "_act_torchalloc"),
                  ("tiermem_act_mmap", "_act_mmap"), ("tiermem_act_jemalloc", "_act_jemalloc"),
                  ("tiermem_act_mimalloc", "_act_mimalloc"))  # (c) and its kin
@@ -245,7 +258,8 @@ def deepspeed_config(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
     tensors = list(model.parameters())
     return {
         "train_micro_batch_size_per_gpu": spec["batch"],
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": spec.get("accumulate", 1),
+        **({"gradient_clipping": spec["clip"]} if spec.get("clip") is not None else {}),
         "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]),
                                                   "eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"]}},
         "zero_optimization": {
@@ -279,7 +293,8 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     params = list(model.parameters())  # tied weights once
     out["parameters"] = sum(p.numel() for p in params)
     out["parameter_tensors"] = len(params)
-    batches = make_batches(spec, spec["warmup"] + spec["steps"])
+    acc, clip = spec["accumulate"], spec["clip"]
+    batches = make_batches(spec, (spec["warmup"] + spec["steps"]) * acc)
     tm = engine = None
     opt: Any = None  # what step() is called on: AdamW, tm.optimizer or DeepSpeed's
     stack: list[Any] = []  # context managers to leave at the end
@@ -318,22 +333,33 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     samples = []
     try:
-        for i, ids in enumerate(batches):
+        for i in range(spec["warmup"] + spec["steps"]):
+            micro = batches[i * acc : (i + 1) * acc]
             if tm is not None:
                 tm.reset_stats()
             busy0, io0 = cpu_busy_seconds(), proc_io()
             c0, t0 = time.process_time(), time.perf_counter()
+            loss = torch.zeros(())
             if engine is None:
                 opt.zero_grad()
-                loss = fwd(ids, labels=ids).loss
-                loss.backward()
+                for ids in micro:
+                    part = fwd(ids, labels=ids).loss / acc if acc > 1 else fwd(ids, labels=ids).loss
+                    (tm.backward if tm is not None else torch.Tensor.backward)(part)
+                    loss += part.detach()
+                if clip is not None:
+                    if tm is not None:
+                        tm.clip_grad_norm_(clip)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(params, clip)
                 t1 = time.perf_counter()
                 opt.step()
             else:
-                loss = fwd(ids, labels=ids).loss
-                engine.backward(loss)
-                t1 = time.perf_counter()
-                engine.step()  # DeepSpeed zeroes the gradients itself
+                for ids in micro:  # it scales the loss by 1/acc and updates at the last micro-batch
+                    part = fwd(ids, labels=ids).loss
+                    engine.backward(part)
+                    loss += part.detach() / acc
+                    t1 = time.perf_counter()
+                    engine.step()  # DeepSpeed zeroes the gradients itself
             t2, c2 = time.perf_counter(), time.process_time()
             busy2, io2 = cpu_busy_seconds(), proc_io()
             sample: dict[str, Any] = {
@@ -652,6 +678,20 @@ def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[st
             out["rss" + suffix] = {"held": c["peak_rss_bytes_max"] <= limit,
                                    "peak_rss_bytes_max": c["peak_rss_bytes_max"],
                                    "steps_peak_rss_bytes_max": c["steps_peak_rss_bytes_max"], "limit_bytes": limit}
+    e = by.get("tiermem_default")  # issue 14: the defaults, with the loop's clipping and accumulation
+    if e and a:
+        r = e["seconds_mean"] / a["seconds_mean"]
+        out["default_vs_plain"] = {"held": r <= DEFAULT_PLAIN_GOAL, "ratio": r, "goal": DEFAULT_PLAIN_GOAL,
+                                   "paired": paired(runs, "tiermem_default", "plain")}
+    if e and d:
+        r = e["seconds_mean"] / d["seconds_mean"]
+        out["default_vs_deepspeed"] = {"held": r <= DEFAULT_DS_GOAL, "ratio": r, "goal": DEFAULT_DS_GOAL,
+                                       "paired": paired(runs, "tiermem_default", "deepspeed")}
+    if e:
+        above = max(r["steps_peak_rss_bytes"] - r["rss_after_imports_bytes"] for r in runs
+                    if r["variant"] == "tiermem_default" and "error" not in r and r.get("steps_peak_rss_bytes"))
+        out["default_rss_above_imports"] = {"held": above <= host_budget + DEFAULT_RSS_SLACK, "peak": above,
+                                            "limit": host_budget + DEFAULT_RSS_SLACK}
     if update is not None:
         # a fast update that computes something else is no update: the parameters must match AdamW's
         out["optimizer"] = {"held": update["ratio"] >= OPTIMIZER_GOAL and update["parameters_equal"],
@@ -755,6 +795,15 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
                   f"({g['tiermem_parameters_per_second'] / 1e6:.0f}M vs {g['adamw_parameters_per_second'] / 1e6:.0f}M "
                   f"parameters/s, ratio {g['ratio']:.2f}" + (f", paired per round {pv['mean']:.2f} ± {pv['std']:.2f}"
                                                              if pv else "") + ")")
+    for key, what in (("default_vs_plain", "(a)"), ("default_vs_deepspeed", "(d)")):
+        g = verdict.get(key)
+        if g:
+            print(f"  (e) the defaults <= {g['goal']} x {what}: {'held' if g['held'] else 'NOT held'} "
+                  f"({g['ratio']:.2f} x)")
+    g = verdict.get("default_rss_above_imports")
+    if g:
+        print(f"  (e) peak RSS of the steps above the RSS after imports <= host budget + 300 MB: "
+              f"{'held' if g['held'] else 'NOT held'} ({g['peak'] / 1e9:.2f} GB, limit {g['limit'] / 1e9:.2f} GB)")
     g = verdict["losses"]
     print(f"  {verdict['losses_goal']}: {'held' if g['held'] else 'NOT held'} ({g['compared']} processes compared)")
 
@@ -778,6 +827,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "training state (default 2GiB)")
     p.add_argument("--activations-buffer", default="64MiB",
                    help="activations.buffer of (c''), part of its host budget (default 64MiB)")
+    p.add_argument("--clip", type=float, default=None, help="clip_grad_norm_(CLIP) before every optimizer step, in "
+                   "every variant (DeepSpeed: gradient_clipping); default: no clipping")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches (backward passes) per optimizer step, "
+                   "each of --batch sequences, the loss divided by this (default 1); times are per optimizer step")
     p.add_argument("--grads-tier", default="cpu", choices=("cpu", "nvme"), help="(c)'s grads.tier (default cpu)")
     p.add_argument("--swap-dir", default=os.path.join(DEFAULT_DIR, "swap"),
                    help="folder for tiermem's and DeepSpeed's swap files and the bandwidth test")
@@ -858,16 +911,20 @@ def main(argv: list[str]) -> int:
     print_header(system, versions, model, args)
 
     base = {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": args.vocab, "seq": args.seq,
-            "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "ds_swap_dir": ds_swap}
+            "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "ds_swap_dir": ds_swap,
+            "accumulate": args.accumulate, "clip": args.clip}
     tiers = {
         "tiermem_cpu": {"device": "cpu", "params.tier": "cpu", "optimizer.tier": "cpu", "grads.tier": "cpu",
                         "memory.host_budget": args.cpu_host_budget, "nvme.paths": [tm_swap]},
         "tiermem_nvme": {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme",
                          "grads.tier": args.grads_tier, "memory.host_budget": args.host_budget,
-                         "nvme.paths": [tm_swap], "io.engine": "io_uring"},
+                         "nvme.paths": [tm_swap], "io.engine": "io_uring", "optimizer.update": "step"},
     }
-    tiers["tiermem_overlap"] = {**tiers["tiermem_nvme"], "optimizer.overlap_backward": True}
-    tiers["tiermem_act"] = {**tiers["tiermem_overlap"], "activations.tier": "nvme",
+    tiers["tiermem_lazy"] = {**tiers["tiermem_nvme"], "optimizer.update": "lazy"}
+    tiers["tiermem_default"] = {"device": "cpu", "memory.host_budget": args.host_budget, "nvme.paths": [tm_swap]}
+    tiers["tiermem_default_traced"] = {**tiers["tiermem_default"],
+                                       "trace.path": os.path.join(args.swap_dir, "trace", "train.json")}
+    tiers["tiermem_act"] = {**tiers["tiermem_lazy"], "activations.tier": "nvme",
                             "activations.buffer": args.activations_buffer}
     for key in ("tiermem_act_mmap", "tiermem_act_jemalloc", "tiermem_act_mimalloc"):
         tiers[key] = tiers["tiermem_act"]

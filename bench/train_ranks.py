@@ -11,7 +11,7 @@ labels=ids).loss. Variants:
 
   ddp       torch.nn.parallel.DistributedDataParallel, everything in each rank's memory
   tiermem   tiermem.tiered_offload(model, optimizer=AdamW) on every rank: params/optimizer on NVMe
-            (nvme.paths [--swap-dir/tiermem/rank{rank}]), grads.tier auto, optimizer.overlap_backward,
+            (nvme.paths [--swap-dir/tiermem/rank{rank}]), grads.tier auto, optimizer.update lazy,
             activations.tier nvme with --activations-buffer, memory.host_budget --host-budget per rank
             (the settings of configs/train-lowmem.yaml); each rank keeps 1/N of every unit
   tiermem_one  the same on one rank (torchrun --nproc-per-node 1, one batch per step): what sharding costs
@@ -233,6 +233,9 @@ def summarize(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict
             "seconds_std": statistics.stdev(secs) if len(secs) > 1 else 0.0,
             "round_means": [_mean(step_seconds(r)) for r in ok],
             "steps_peak_rss_bytes_max": max((x["steps_peak_rss_bytes"] or 0) for x in ranks) or None,
+            # above the RSS right after the imports (torch, transformers, tiermem: 0.24 GB here)
+            "steps_peak_above_imports_bytes_max": max((x["steps_peak_rss_bytes"] or 0) - x["rss_after_imports_bytes"]
+                                                      for x in ranks),
             "setup_peak_rss_bytes_max": max(x["setup_peak_rss_bytes"] for x in ranks),
             "setup_seconds_mean": _mean([x["setup_seconds"] for x in ranks]),
         }
@@ -295,6 +298,8 @@ def goals(summary: dict[str, dict[str, Any]], budget: int) -> dict[str, Any]:
         limit = budget + RSS_SLACK
         out["rss"] = {"held": tm["steps_peak_rss_bytes_max"] <= limit, "peak": tm["steps_peak_rss_bytes_max"],
                       "limit": limit}
+        above = tm["steps_peak_above_imports_bytes_max"]
+        out["rss_above_imports"] = {"held": above <= limit, "peak": above, "limit": limit}
     return out
 
 
@@ -328,7 +333,8 @@ def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], lo
         if name == "vs_deepspeed":
             print(f"goal tiermem <= {g['goal']} x DeepSpeed: {'held' if g['held'] else 'NOT held'} ({g['ratio']:.2f}x)")
         else:
-            print(f"goal peak RSS per rank <= host budget + 0.5 GB: {'held' if g['held'] else 'NOT held'} "
+            what = "above the RSS after imports " if name == "rss_above_imports" else ""
+            print(f"goal peak RSS per rank {what}<= host budget + 0.5 GB: {'held' if g['held'] else 'NOT held'} "
                   f"({g['peak'] / 1e9:.2f} GB, limit {g['limit'] / 1e9:.2f} GB)")
     if projection:
         print("projection (paper) for N ranks on N drives: " + "; ".join(
@@ -388,7 +394,7 @@ def main(argv: list[str]) -> int:
             "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "ds_swap_dir": ds_swap,
             "tiermem": {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme",
                         "memory.host_budget": args.host_budget, "nvme.paths": [os.path.join(tm_swap, "rank{rank}")],
-                        "io.engine": "io_uring", "optimizer.overlap_backward": True, "activations.tier": "nvme",
+                        "io.engine": "io_uring", "activations.tier": "nvme",
                         "activations.buffer": args.activations_buffer}}
     variants = args.variants.split(",")
     runs: list[dict[str, Any]] = []

@@ -58,9 +58,9 @@ def assert_same(a: nn.Module, b: nn.Module) -> None:
         assert torch.equal(p, q), name
 
 
-@pytest.mark.parametrize("extra", [{}, {"optimizer.overlap_backward": True}, {"activations.buffer": "4MiB"},
+@pytest.mark.parametrize("extra", [{}, {"optimizer.update": "step"}, {"activations.buffer": "4MiB"},
                                    {"io.engine": "threads"}],
-                         ids=["buffer-smaller-than-a-step", "overlap-backward", "buffer-holds-a-step",
+                         ids=["buffer-smaller-than-a-step", "update-in-step", "buffer-holds-a-step",
                               "threads-engine"])
 def test_training_with_activations_on_nvme_equals_pytorch(tmp_path, extra: dict[str, Any]) -> None:
     """10 AdamW steps: losses and weights bit-exact; the activations really went to disk and came back."""
@@ -278,16 +278,16 @@ def test_leaving_with_a_graph_alive(tmp_path) -> None:
 
 
 def test_the_shipped_low_memory_training_config_trains_gpt2_like_pytorch(tmp_path) -> None:
-    """configs/train-lowmem.yaml (overlap_backward, activations on NVMe), scaled down to a small model, trains
-    GPT-2 bit-exactly, updating during backward and reading activations back."""
+    """configs/train-lowmem.yaml (lazy updates, activations on NVMe), scaled down to a small model, trains
+    GPT-2 bit-exactly, applying each step as the next forward fetches units and reading activations back."""
     pytest.importorskip("transformers")
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "train-lowmem.yaml"
 
-    def overlapped_and_read_back(tm: Any) -> None:
-        assert tm.swapper.config.optimizer.overlap_backward and tm.optimizer.overlap
+    def lazy_and_read_back(tm: Any) -> None:
+        assert tm.swapper.config.optimizer.update == "lazy" and tm.optimizer.lazy
         assert tm.stats()["activations_bytes_read"] > 0
 
     small = {"nvme.paths": [str(tmp_path / "swap")], "memory.host_budget": "12MiB", "activations.buffer": "128KiB",
              "activations.min_bytes": "4KiB", "wrap.min_unit_bytes": 0}
     models.gpt2_training_matches({"config": str(path), **small}, width=64, vocab=300, shape=(4, 32), steps=5,
-                                 check=overlapped_and_read_back)
+                                 check=lazy_and_read_back)

@@ -104,7 +104,7 @@ def test_defaults_match_the_contract() -> None:
     assert cfg.prefetch == PrefetchConfig(depth=2, max_bytes=None)
     assert cfg.wrap == WrapConfig(classes=(), min_unit_bytes=MiB)
     assert cfg.io == IOConfig(engine="auto", block_size=MiB, queue_depth=32, direct=True, sqpoll=False)
-    assert not hasattr(cfg, "trace")
+    assert cfg.trace.path is None and cfg.optimizer.update == "lazy"
     assert cfg == Config()
     assert cfg.origin == "defaults"
 
@@ -417,10 +417,10 @@ BAD_CONFIGS: list[tuple[str, dict[Any, Any], str]] = [
         "wrap.classes: expected a list of module class names, got a string 'Block'; write [Block]",
     ),
     ("classes-empty-name", {"wrap": {"classes": [""]}}, "wrap.classes[0]: expected a non-empty string"),
-    # tracing is not implemented, so its keys are refused rather than silently ignored
-    ("trace-path", {"trace": {"path": "/tmp/trace.json"}}, "trace.path: timeline tracing is not implemented yet"),
-    ("trace-null-path", {"trace": {"path": None}}, "trace.path: timeline tracing is not implemented yet"),
-    ("trace-empty-section", {"trace": None}, "trace: timeline tracing is not implemented yet"),
+    ("trace-path-number", {"trace": {"path": 3}}, "trace.path: expected a non-empty path string, got"),
+    ("update-unknown", {"optimizer": {"update": "backward"}}, "optimizer.update: expected one of"),
+    ("overlap-backward-replaced", {"optimizer": {"overlap_backward": True}},
+     "optimizer.overlap_backward: was replaced by optimizer.update"),
     # combination rules (docs/config.md, "Combination rules")
     (
         "rule-grads-nvme-opt-cpu",

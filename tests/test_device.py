@@ -138,14 +138,14 @@ def test_an_explicit_device_budget_is_never_exceeded_by_prefetch(tmp_path, dev: 
 
 
 @pytest.mark.parametrize("extra", [
-    {"optimizer.overlap_backward": True},
+    {"optimizer.update": "step"},
     {"params.tier": "device", "memory.host_budget": "8MiB"},
-    {"params.tier": "device", "memory.host_budget": "8MiB", "optimizer.overlap_backward": True},
+    {"params.tier": "device", "memory.host_budget": "8MiB", "optimizer.update": "step"},
     {"params.tier": "cpu", "memory.host_budget": "8MiB"},
-], ids=["overlap-fp32", "device-tier-fp32", "device-tier-overlap", "cpu-tier"])
+], ids=["step-fp32", "device-tier-fp32", "device-tier-step", "cpu-tier"])
 def test_training_on_the_copying_device_equals_pytorch(tmp_path, dev: CopyingDevice, extra: dict[str, Any]) -> None:
-    """fp32 training with the update during backward, or with parameters homed on the device, gives the
-    update host tensors only, and trains bit-exactly."""
+    """fp32 training with the update in step() or applied lazily, or with parameters homed on the device,
+    gives the update host tensors only, and trains bit-exactly."""
     offload = cfg(tmp_path, **{"memory.host_budget": "2MiB", **extra})
 
     def check(tm: Any) -> None:

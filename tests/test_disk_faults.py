@@ -203,8 +203,8 @@ def test_a_disk_shut_down_mid_run_is_a_clear_error_and_loses_only_what_was_on_it
                     if where == "step":  # after the first unit's update
                         update, updates = tm.optimizer._update_unit, []
 
-                        def update_then_shut_down(st: Any) -> None:
-                            update(st)
+                        def update_then_shut_down(st: Any, *how: Any) -> None:
+                            update(st, *how)
                             updates.append(st)
                             if len(updates) == 1:
                                 shut_down(mount)
@@ -222,10 +222,12 @@ def test_a_disk_shut_down_mid_run_is_a_clear_error_and_loses_only_what_was_on_it
             except TiermemError as exc:
                 errors.append(exc)
             on_host = {fqn for u in tm.units if u.partition.has_host_bytes() for fqn, _ in u.params}
-            if training:
-                after = {fqn: n for st in tm.optimizer.units for fqn, n in st.steps.items()}
     except RestoreError as exc:
         caught = exc
+    except StoreError as exc:  # leaving applies what step() recorded: the disk fails it, after the restore
+        errors.append(exc)
+    if training:  # the updates applied, including any leaving applied
+        after = {fqn: n for st in tm.optimizer.units for fqn, n in st.steps.items()}
 
     lost = {n for n, _ in model.named_parameters()} - on_host
     assert errors, "the disk was needed after it went down, and nothing said so"

@@ -140,8 +140,8 @@ def test_lr_scheduler_equal_pytorch(tmp_path) -> None:
 
 
 def test_clip_grad_norm_equal_pytorch(tmp_path) -> None:
-    """tm.clip_grad_norm_ clips exactly as torch.nn.utils.clip_grad_norm_ (within fp32 rounding)."""
-    compare(tmp_path, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=15, clip=0.05, exact=False)
+    """tm.clip_grad_norm_ clips exactly as torch.nn.utils.clip_grad_norm_."""
+    compare(tmp_path, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), steps=15, clip=0.05)
 
 
 class BNDrop(nn.Module):
@@ -307,37 +307,86 @@ def test_float16_dynamic_loss_scaling_skips_overflow_steps(tmp_path) -> None:
             assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("tiers", [{}, {"params.tier": "cpu", "optimizer.tier": "cpu"}], ids=["nvme", "cpu"])
-def test_update_overlapped_with_backward_equals_pytorch(tmp_path, tiers: dict[str, Any]) -> None:
-    """optimizer.overlap_backward updates each unit during backward; results equal plain PyTorch exactly."""
-    compare(tmp_path, lambda m: torch.optim.AdamW(two_groups(m, lr=3e-3), lr=1e-3), steps=20,
-            **{"optimizer.overlap_backward": True, **tiers})
+def _warmup(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 5))
 
 
-def test_overlap_backward_refuses_clipping(tmp_path) -> None:
-    """Clipping needs all gradients before any update, so it is refused with overlap_backward on."""
+@pytest.mark.parametrize("update", ["lazy", "step"])
+@pytest.mark.parametrize("accumulate,sched", [(2, "steplr"), (3, "warmup")])
+def test_clipping_accumulation_and_schedulers_equal_pytorch_bit_for_bit(tmp_path, update: str, accumulate: int,
+                                                                       sched: str) -> None:
+    """20 steps of AdamW with two param groups, clip_grad_norm_ active on most steps, 2- and 3-step
+    accumulation and a StepLR or warm-up schedule: losses, weights and state bit-identical to PyTorch,
+    whether each unit is updated lazily (as the next forward fetches it) or in step()."""
+    make = {"steplr": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5), "warmup": _warmup}
+    compare(tmp_path, lambda m: torch.optim.AdamW(two_groups(m, lr=3e-3), lr=1e-2), steps=20,
+            accumulate=accumulate, clip=0.05, sched=make[sched], **{"optimizer.update": update})
+
+
+@pytest.mark.parametrize("grads_tier", ["cpu", "nvme"])
+def test_a_step_is_applied_as_the_next_forward_fetches_each_unit(tmp_path, grads_tier: str) -> None:
+    """optimizer.update lazy: step() leaves every unit's update pending and reads nothing; the next forward
+    applies each before using it (and gives NVMe gradient accumulators back at once); gathered() applies
+    what is still pending first. The result is PyTorch's."""
+    x, y = batches(1)[0]
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    loss_fn(ref, x, y).backward()
+    ref_opt.step()
     model = mlp()
-    x, y = batches(1)[0]
-    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters()),
-                        **cfg(tmp_path, **{"optimizer.overlap_backward": True})) as tm:
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        **cfg(tmp_path, **{"grads.tier": grads_tier, "memory.host_budget": "8MiB"})) as tm:
+        opt = tm.optimizer
         loss_fn(model, x, y).backward()
-        with pytest.raises(Exception, match="overlap_backward"):
-            tm.clip_grad_norm_(1.0)
+        tm.reset_stats()
+        opt.step()
+        assert len(opt.pending) == len(opt.units) and tm.stats()["bytes_read"] == 0
+        opt.zero_grad()
+        with torch.no_grad():
+            out = model(x)
+        assert not opt.pending
+        assert torch.equal(out, ref(x))
+        if grads_tier == "nvme":
+            assert not any(st.grads.host is not None for st in opt.units)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        assert opt.pending
+        with tm.gathered():  # applies the second step first
+            assert not opt.pending
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        ref_opt.step()
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
-def test_overlap_backward_gives_gradient_memory_back(tmp_path) -> None:
-    """With overlap_backward each unit's gradient accumulators are dropped once its update is done, so after
-    backward none of them holds host memory; without it they all do, until the step."""
-    x, y = batches(1)[0]
-    for overlap in (True, False):
-        model = mlp()
-        with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters()),
-                            **cfg(tmp_path / str(overlap), **{"optimizer.overlap_backward": overlap})) as tm:
-            tm.optimizer.zero_grad()
-            loss_fn(model, x, y).backward()
-            held = [st.grads.host is not None for st in tm.optimizer.units]
-            assert held and (not any(held) if overlap else all(held))
-            tm.optimizer.step()
+def test_two_steps_without_a_forward_between_and_grads_kept_across_steps_equal_pytorch(tmp_path) -> None:
+    """A second step() before any forward applies the first update, then records its own; gradients kept
+    across a step (no zero_grad) are added to, as PyTorch adds to .grad, also from NVMe."""
+    data = batches(2)
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = mlp()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        **cfg(tmp_path, **{"grads.tier": "nvme", "memory.host_budget": "8MiB"})) as tm:
+        for m, opt in ((ref, ref_opt), (model, tm.optimizer)):
+            loss_fn(m, *data[0]).backward()
+            opt.step()
+            opt.step()  # the same gradients twice
+            loss_fn(m, *data[1]).backward()  # added to the first batch's gradients
+            opt.step()
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_overlap_backward_is_an_error_naming_its_replacement(tmp_path) -> None:
+    """optimizer.overlap_backward (update during backward, no clipping or accumulation) is gone; a config
+    that still sets it is told what replaced it."""
+    from tiermem import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optimizer\.overlap_backward: was replaced by optimizer\.update"):
+        with tiered_offload(mlp(), **cfg(tmp_path, **{"optimizer.overlap_backward": True})):
+            pass
 
 
 def test_a_kept_key_value_cache_is_named_when_training(tmp_path, caplog) -> None:

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 PARAM_TIERS = ("device", "cpu", "nvme")
 STATE_TIERS = ("cpu", "nvme")
+UPDATES = ("lazy", "step")
 ACTIVATION_TIERS = ("memory", "nvme")
 CPU_ALLOCATORS = ("auto", "tiermem", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -276,14 +277,17 @@ class OptimizerConfig:
     """Where master weights and optimizer states rest: ``cpu`` or ``nvme``. The step runs on the
     host either way."""
 
-    overlap_backward: bool = False
-    """Update each unit as soon as its gradients are complete, during backward, instead of in
-    ``step()``: the update and its state I/O hide behind the rest of backward. Needs one backward per
-    step and no gradient clipping (both need every gradient before any update)."""
+    update: str = "lazy"
+    """When a step's update is applied to each unit: ``lazy`` (``step()`` records the update, with the
+    learning rates, clip coefficient and loss scale of that moment, and each unit is updated when it is
+    next fetched, before the next forward uses it, so the state's I/O hides behind that forward; anything
+    that reads weights or state first applies what is pending) or ``step`` (every unit inside ``step()``,
+    the weights and state up to date when it returns). Both give PyTorch's results exactly, with clipping,
+    accumulation, schedulers and loss scaling."""
 
     def __post_init__(self) -> None:
         self.tier = _choice("optimizer.tier", self.tier, STATE_TIERS)
-        self.overlap_backward = _bool("optimizer.overlap_backward", self.overlap_backward)
+        self.update = _choice("optimizer.update", self.update, UPDATES)
 
 
 @dataclass
@@ -464,6 +468,22 @@ class IOConfig:
         self.sqpoll = _bool("io.sqpoll", self.sqpoll)
 
 
+@dataclass
+class TraceConfig:
+    """A timeline of the run for ui.perfetto.dev or chrome://tracing (see [Note: traces] in tiermem/trace.py)."""
+
+    SECTION: ClassVar[str] = "trace"
+
+    path: str | None = None
+    """File to write a Chrome trace / Perfetto JSON timeline to when the context ends: a span per unit's
+    forward, backward and update, per read and write, per wait, and the bytes each tier holds; ``{rank}``
+    is filled in under several ranks. null records nothing (``tm.trace(path)`` traces a block)."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            self.path = _path("trace.path", self.path)
+
+
 _SECTIONS: tuple[type[Any], ...] = (
     ParamsConfig,
     OptimizerConfig,
@@ -474,13 +494,9 @@ _SECTIONS: tuple[type[Any], ...] = (
     PrefetchConfig,
     WrapConfig,
     IOConfig,
+    TraceConfig,
 )
 
-# Sections that name a feature tiermem does not have yet. They are refused, not ignored, so that no config
-# asks for something that silently does not happen.
-_NOT_IMPLEMENTED = {
-    "trace": "timeline tracing is not implemented yet, so nothing would read this; remove the trace section",
-}
 
 
 @dataclass
@@ -524,6 +540,9 @@ class Config:
 
     io: IOConfig = field(default_factory=IOConfig)
     """The I/O engine."""
+
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    """The timeline trace."""
 
     origin: str = field(default="defaults", init=False, compare=False, repr=False)
     """Where this config came from (a file path, "a mapping", "defaults", plus overrides);
@@ -783,6 +802,12 @@ def _read_yaml(path: str) -> Any:
     return parse_yaml(text, path)
 
 
+_REPLACED = {  # keys of earlier versions: what to write instead
+    "optimizer.overlap_backward": "was replaced by optimizer.update; its default, lazy, hides the update behind "
+                                  "the next forward and works with clipping and accumulation: delete the key",
+}
+
+
 def _build(cls: type[_T], raw: object, prefix: str) -> _T:
     """Construct dataclass `cls` from mapping `raw`, refusing unknown keys; `prefix` is its key path."""
     names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
@@ -794,10 +819,8 @@ def _build(cls: type[_T], raw: object, prefix: str) -> _T:
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         path = f"{prefix}.{_key_text(key)}" if prefix else _key_text(key)
-        if cls is Config and key in _NOT_IMPLEMENTED:
-            first = next(iter(value), None) if isinstance(value, Mapping) else None
-            where = f"{path}.{_key_text(first)}" if first is not None else path
-            raise ConfigError(f"{where}: {_NOT_IMPLEMENTED[key]}")
+        if path in _REPLACED:
+            raise ConfigError(f"{path}: {_REPLACED[path]}")
         if not isinstance(key, str) or key not in names:
             hint = _suggest(str(key), names) or f"; expected one of {', '.join(names)}"
             raise ConfigError(f"{path}: unknown key{hint}")

@@ -102,7 +102,7 @@ class RestoreError(OffloadError):
 class OptimizerError(TiermemError):
     """The optimizer cannot be offloaded as given (unsupported type, parameters outside the model, training
     state larger than the host budget allows), or was used in a way the tiered optimizer does not support
-    (add_param_group inside the context, mismatched load_state_dict, clip_grad_norm_ with overlap_backward)."""
+    (add_param_group inside the context, a load_state_dict of other param groups)."""
 
 
 class RanksError(TiermemError):

@@ -37,6 +37,7 @@ from tiermem.runtime.unit import Unit
 from tiermem.runtime.wrap import UnitPlan, WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size
 from tiermem.swap import Layout, TensorSwapper
+from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class OffloadHandle:
         self.closed = False  # the context has ended: the parameters are ordinary tensors again, the swap is gone
         self.saved: tuple[str, int] | None = None  # (path, optimizer progress) of the last checkpoint written
         self.plan: dict[str, Any] = {}  # what goes where and why, as entry chose it (logged at entry)
+        self._tracer: Tracer | None = None  # recording a trace (trace.path or tm.trace())
 
     def plan_summary(self) -> str:
         """`plan` in one line: what goes where and why (as logged at entry)."""
@@ -75,6 +77,8 @@ class OffloadHandle:
         from tiermem.checkpointing import save_checkpoint
 
         self._check_open("save_checkpoint")
+        if self.optimizer is not None:
+            self.optimizer.flush()  # what step() recorded is part of the weights and state saved
         final = save_checkpoint(self, path, max_shard_bytes, adapters_only=adapters_only)
         if not adapters_only:
             self.saved = (final, self.optimizer.progress() if self.optimizer is not None else 0)
@@ -85,6 +89,8 @@ class OffloadHandle:
         from tiermem.checkpointing import load_checkpoint
 
         self._check_open("load_checkpoint")
+        if self.optimizer is not None:
+            self.optimizer.pending.clear()  # the loaded weights and state replace what a step recorded
         load_checkpoint(self, path)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -157,6 +163,28 @@ class OffloadHandle:
         self.runtime.reset_stats()
         if self.units:
             self.units[0].ranks.traffic.reset()
+
+    @contextmanager
+    def trace(self, path: str | os.PathLike[str]) -> Iterator[Tracer]:
+        """Record a timeline of the block (see [Note: traces] in tiermem/trace.py) and write it to `path` as a
+        Chrome trace / Perfetto JSON file when the block ends, also when it raises."""
+        self._check_open("tm.trace()")
+        if self._tracer is not None:
+            raise OffloadError("tm.trace(): a trace is already being recorded (trace.path or an enclosing "
+                               "tm.trace()); record one at a time")
+        tracer = Tracer()
+        self._set_tracer(tracer)
+        try:
+            yield tracer
+        finally:
+            self._set_tracer(None)
+            tracer.write(path)
+
+    def _set_tracer(self, tracer: Tracer | None) -> None:
+        self._tracer = tracer
+        self.swapper.cache.tracer = self.runtime.tracer = tracer
+        if self.optimizer is not None:
+            self.optimizer.tracer = tracer
 
     @contextmanager
     def gathered(self, *modules: nn.Module) -> Iterator[None]:
@@ -239,6 +267,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         try:
             settings = dataclasses.asdict(swapper.config)
             settings["nvme"].pop("paths", None)  # each rank may have drives of its own
+            settings["trace"].pop("path", None)  # and a trace of its own
             settings.pop("origin", None)  # where the config came from, which names the paths too
             ranks.check_same("the config", repr(settings))
             ranks.check_same("the model's parameters (names, shapes, dtypes)",
@@ -262,6 +291,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                                                mixed=override not in (None, torch.float32),
                                                loss_scaling=override is torch.float16)
             runtime.optimizer = handle.optimizer
+            handle.optimizer.on_record = runtime.prefetch_pending
             patched = _delegate(optimizer, handle.optimizer)
         runtime.register_hooks()
         handle.reset_stats()
@@ -271,6 +301,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                         "train in less memory", type(model).__name__)
         handle.plan = _plan(handle)
         log.info("tiered_offload plan: %s", handle.plan_summary())
+        if config.trace.path is not None:
+            handle._set_tracer(Tracer())  # written when the context ends
         try:
             yield handle
         except BaseException:
@@ -280,6 +312,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         try:
             if handle is not None:
                 with deferred_interrupts():  # a second Ctrl-C must not leave the model half given back
+                    unapplied = _apply_recorded_updates(handle)
                     handle.runtime.remove_hooks()
                     _undelegate(optimizer, patched)
                     if restore_optimizer and handle.optimizer is not None and optimizer is not None:
@@ -292,6 +325,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                                     "optimizer on exit%s", f" (the last checkpoint, {handle.saved[0]}, is older)"
                                     if handle.saved is not None else "")
                     _unpack(handle, restore, raised)
+                    _write_trace(handle, raised)
+                    if unapplied is not None and not raised:
+                        raise unapplied
         finally:
             if handle is not None:
                 handle.closed = True
@@ -305,19 +341,57 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
 
 
 # -- entry ------------------------------------------------------------------------------------------
-def _rank_paths(cfg: Config, ranks: Ranks) -> Config:
-    """nvme.paths with ``{rank}`` and ``{local_rank}`` filled in (LOCAL_RANK as torchrun sets it), so that one
-    config gives each rank, or each GPU's rank on a machine, drives of its own: ``/mnt/nvme{local_rank}``."""
-    paths = list(cfg.nvme.paths)
-    if not any("{" in p for p in paths):
-        return cfg
-    local = int(os.environ.get("LOCAL_RANK", ranks.rank))
+def _write_trace(handle: OffloadHandle, raised: bool) -> None:
+    """Write the trace that trace.path asked for (see [Note: traces]); after an error in the with-block a
+    failure to write it is logged, not raised over that error."""
+    tracer, path = handle._tracer, handle.config.trace.path
+    if tracer is None or path is None:
+        return
+    handle._set_tracer(None)
     try:
-        filled = [p.format(rank=ranks.rank, local_rank=local) for p in paths]
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ConfigError(f"nvme.paths: {paths!r} has a placeholder other than {{rank}} and {{local_rank}} "
-                          f"({exc})") from None
-    return load_config(cfg, **{"nvme.paths": filled})
+        log.info("trace written to %s (open it in ui.perfetto.dev)", tracer.write(path))
+    except OSError as exc:
+        error = OffloadError(f"trace.path: could not write the trace to {path}: {exc}; point trace.path at a "
+                             "writable file")
+        if not raised:
+            raise error from exc
+        log.error("%s", error)
+
+
+def _apply_recorded_updates(handle: OffloadHandle) -> Exception | None:
+    """The updates `step()` recorded and no forward applied yet (see [Note: lazy update]) belong to the
+    weights given back and the state kept. A failure is logged and returned, to be raised once the
+    parameters have been given back."""
+    if handle.optimizer is None or not handle.optimizer.pending:
+        return None
+    try:
+        handle.optimizer.flush()
+    except Exception as exc:  # noqa: BLE001 - raised after the restore
+        log.error("leaving tiered_offload: the last step's update could not be applied to every unit (%s); the "
+                  "units it did not reach are given back as they were before that step", exc)
+        return exc
+    return None
+
+
+def _rank_paths(cfg: Config, ranks: Ranks) -> Config:
+    """nvme.paths and trace.path with ``{rank}`` and ``{local_rank}`` filled in (LOCAL_RANK as torchrun sets
+    it), so that one config gives each rank, or each GPU's rank on a machine, drives and a trace of its own:
+    ``/mnt/nvme{local_rank}``."""
+    local = int(os.environ.get("LOCAL_RANK", ranks.rank))
+
+    def fill(key: str, paths: list[str]) -> list[str]:
+        try:
+            return [p.format(rank=ranks.rank, local_rank=local) for p in paths]
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"{key}: {paths!r} has a placeholder other than {{rank}} and {{local_rank}} "
+                              f"({exc})") from None
+
+    changes: dict[str, Any] = {}
+    if any("{" in p for p in cfg.nvme.paths):
+        changes["nvme.paths"] = fill("nvme.paths", list(cfg.nvme.paths))
+    if cfg.trace.path is not None and "{" in cfg.trace.path:
+        changes["trace.path"] = fill("trace.path", [cfg.trace.path])[0]
+    return load_config(cfg, **changes) if changes else cfg
 
 
 def _plan(handle: OffloadHandle) -> dict[str, Any]:

@@ -11,11 +11,29 @@ contiguous range in each of them:
 - the optimizer state (home `optimizer.tier`): exp_avg / exp_avg_sq (Adam, AdamW; max_exp_avg_sq with
   amsgrad) or momentum_buffer (SGD with momentum), and fp32 master weights when the parameters are
   bfloat16/float16.
-`step()` walks the units in order: while unit i is updated on the CPU, unit i+1's partitions are being
-read and unit i-1's written back. The update itself is PyTorch's own functional adam/sgd, called on the
-flat fp32 range of each param group (one vectorised kernel per group and unit), so its arithmetic is
-PyTorch's. A param group whose parameters did not all get a gradient, or whose step counts differ, is
-updated tensor by tensor instead, exactly as torch skips parameters without a gradient.
+Updating walks the units in order: while unit i is updated on the CPU, unit i+1's partitions are being
+read and unit i-1's written back (when: see [Note: lazy update]). The update itself is PyTorch's own
+functional adam/sgd, called on the flat fp32 range of each param group (one vectorised kernel per group
+and unit), so its arithmetic is PyTorch's. A param group whose parameters did not all get a gradient, or
+whose step counts differ, is updated tensor by tensor instead, exactly as torch skips parameters without
+a gradient.
+
+# [Note: lazy update]
+With `optimizer.update: lazy` (the default) `step()` updates nothing: it records, for each unit with
+gradients, which parameters have one and the step's settings as they are at that moment (every param
+group's hyperparameters, lr included, so a scheduler stepping afterwards changes only the next step; and
+the factor that clipping and the float16 loss scale apply). Each unit is updated when it is next fetched
+(`apply_pending`, called by the runtime before the unit's parameters go to the device), so the state's
+reads and writes hide behind the next forward, which reads that unit anyway: its parameters are updated
+in host memory and used at once instead of being written back and read again. Anything else that reads
+weights or state first applies what is pending (`flush`): `tm.gathered()`, `state_dict()`, checkpoints,
+leaving the context. The arithmetic is the same as updating in `step()`: the same kernels on the same
+gradients with the same settings, in the same order per parameter. A unit always comes back to the device
+before its gradients can change (backward fetches it first), so a recorded update always finds the
+gradients it was recorded for; a second `step()` before that applies the first update, then records.
+The update could instead run during backward, but clipping needs the global norm and accumulation the
+last micro-batch before any unit may be updated; updating lazily needs neither and is as fast (see
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,9 +51,11 @@ from torch.optim.sgd import sgd as sgd_update
 from tiermem.device import check_host
 from tiermem.distributed import Reducing, finish_scatter_sum, start_scatter_sum
 from tiermem.errors import OptimizerError
+from tiermem.interrupts import deferred_interrupts
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
 from tiermem.swap import Layout, Partition, TensorSwapper, room_needed
+from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +68,14 @@ class GroupRange:
 
     group: int
     fqns: list[str]
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What a step's update uses beyond gradients and state, as it was when `step()` was called."""
+
+    groups: list[dict[str, Any]]  # each param group's settings but "params"
+    factor: float  # the gradients' multiplier: clip coefficient / loss scale
 
 
 @dataclass
@@ -63,7 +91,6 @@ class UnitOptimState:
     has_grad: set[str] = field(default_factory=set)  # parameters with a gradient since zero_grad
     grads_held: bool = False  # the accumulators are acquired for the backward in progress
     on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # fresh gradients still in device memory
-    updated: bool = False  # already updated during backward (optimizer.overlap_backward); step() skips it
     params_end: int = 0  # the update changes no byte of the unit's partition past this (frozen ones come last)
 
 
@@ -95,7 +122,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._good_steps = 0  # steps since the scale last changed
         self.found_inf = False  # an inf/nan gradient arrived since zero_grad: the next step is skipped
         self.skipped_steps = 0
-        self.overlap = swapper.config.optimizer.overlap_backward  # update units during backward
+        self.lazy = swapper.config.optimizer.update == "lazy"  # see [Note: lazy update]
+        self.pending: dict[int, tuple[StepSettings, frozenset[str]]] = {}  # unit -> its recorded update
+        self.on_record: Callable[[], None] | None = None  # the runtime's: start reading what comes first
+        self.tracer: Tracer | None = None  # see [Note: traces] in tiermem/trace.py
         # several ranks: the unit whose gradients' reduce-scatter is in flight (see finish_grads)
         self._reducing: tuple[UnitOptimState, list[str], torch.Tensor, Reducing] | None = None
         self.index_of: dict[int, int] = {}  # id(param) -> index in torch's state_dict numbering
@@ -213,7 +243,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _make_grads(self, unit: Unit, grad_specs: list[Any]) -> Partition:
         part = self.swapper.add(f"{unit.name}#grads", grad_specs, home=self.grads_tier, zero=True)
-        if self.overlap:  # held only from the unit's backward to its update (unit_grads_done), from the first step
+        if self.lazy:  # held only from the unit's backward to its update (apply_pending), from the first step
             self.swapper.discard(part)
         return part
 
@@ -286,7 +316,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def settle_grads(self, *, discard: bool = False) -> None:
         """Finish the reduce-scatter in flight (several ranks): its unit's gradients go into their
-        accumulators, and with overlap_backward the unit is updated. `discard`: a backward that raised; wait
+        accumulators. `discard`: a backward that raised; wait
         for the collective, keep nothing."""
         if self._reducing is None:
             return
@@ -297,7 +327,6 @@ class TieredOptimizer(torch.optim.Optimizer):
             return
         self._gradients_to_host(st, names, flat)
         self._let_grads_go(st)
-        self._update_during_backward(st)
 
     def drop_grads(self, unit_index: int) -> None:
         """A backward that raised: forget the unit's fresh gradients (no collective: the other ranks may not
@@ -359,30 +388,31 @@ class TieredOptimizer(torch.optim.Optimizer):
         else:  # the CPU device: `flat` is memory of its own only with several ranks
             host[: flat.numel()].copy_(flat)
 
-    def unit_backward_started(self, unit_index: int) -> None:
-        """Backward reached the unit: with overlap_backward, start reading its optimizer state now."""
-        st = self.by_unit.get(unit_index)
-        if self.overlap and st is not None and st.state is not None:
-            self.swapper.prefetch(st.state, "host")
+    def apply_pending(self, unit_index: int) -> None:
+        """Apply the unit's recorded update, if any (see [Note: lazy update]); its accumulators then go back
+        to their tier at once."""
+        rec = self.pending.get(unit_index)
+        if rec is None:
+            return
+        st = self.by_unit[unit_index]
+        # it leaves `pending` with its arithmetic: an update that could not start (a read, Ctrl-C) stays due
+        self._update_many([(st, *rec)], done=self.pending)
+        if st.grads.home.value == "nvme":  # consumed: its memory goes to the reads of the next units
+            if st.has_grad:  # no zero_grad since step(): the next backward adds to these, as torch's would
+                self.swapper.evict(st.grads)
+            else:
+                self.swapper.discard(st.grads)
 
-    def unit_grads_done(self, unit_index: int) -> bool:
-        """All of the unit's gradients are in: with overlap_backward, update it now. True if it was updated
-        (with several ranks it is updated once its reduce-scatter is settled, later)."""
-        st = self.by_unit.get(unit_index)
-        if st is None or st.unit.ranks.sharded:
-            return False
-        return self._update_during_backward(st)
+    def pending_parts(self, unit_index: int) -> list[Partition]:
+        """The partitions the unit's recorded update needs besides its parameters (to read ahead)."""
+        if unit_index not in self.pending:
+            return []
+        st = self.by_unit[unit_index]
+        return [st.grads, st.state] if st.state is not None else [st.grads]
 
-    def _update_during_backward(self, st: UnitOptimState) -> bool:
-        if not self.overlap or not st.has_grad or self.found_inf:
-            return False
-        self._update_unit(st)
-        st.updated = True
-        st.has_grad.clear()
-        self.swapper.discard(st.grads)  # consumed: its memory goes to the read-ahead of the next units
-        if st.state is not None and st.state.home.value == "nvme":
-            self.swapper.evict(st.state)
-        return True
+    def flush(self) -> None:
+        """Apply every recorded update, in unit order (each leaves `pending` once applied)."""
+        self._update_many([(self.by_unit[i], *self.pending[i]) for i in sorted(self.pending)], done=self.pending)
 
     def loss_scale_state(self) -> dict[str, float | int] | None:
         """The dynamic loss scale's state (float16 parameters), for checkpoints; None without loss scaling."""
@@ -411,7 +441,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         Their memory stays: allocated afresh during each backward, between the parameters being read, the
         accumulators fragment the host pool, and the step then finds no room for the optimizer state.
-        With overlap_backward each unit's accumulators are given back right after its update instead.
+        With optimizer.update lazy, accumulators on NVMe are given back as each unit's update is applied.
         """
         for st in self.units:
             st.has_grad.clear()
@@ -420,9 +450,6 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
-        if self.overlap:
-            raise OptimizerError("clip_grad_norm_ needs every gradient before any update, but "
-                                 "optimizer.overlap_backward updates during backward; set it to false to clip")
         norms: list[torch.Tensor] = []
         for st in self.units:
             if not st.has_grad:
@@ -466,16 +493,19 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._clip_scale = None
             log.info("inf/nan gradients: step skipped, loss scale now %g", self.scale)
             return loss
-        todo = [st for st in self.units if st.has_grad and not st.updated]
-        for st in self.units:
-            st.updated = False
-        for k, st in enumerate(todo):
-            if k + 1 < len(todo):
-                for part in self._parts(todo[k + 1]):
-                    self.swapper.prefetch(part, "host")
-            self._update_unit(st)
-            if st.state is not None and st.state.home.value == "nvme":
-                self.swapper.evict(st.state)  # write-back starts now, overlapping the next update
+        settings = StepSettings([{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                                (self._clip_scale or 1.0) / self.scale)
+        todo = [st for st in self.units if st.has_grad]
+        again = [st.unit.index for st in todo if st.unit.index in self.pending]
+        if again:  # a second step() before these units came back: the first update goes first
+            self._update_many([(self.by_unit[i], *self.pending[i]) for i in again], done=self.pending)
+        if self.lazy:
+            for st in todo:
+                self.pending[st.unit.index] = (settings, frozenset(st.has_grad))
+            if self.on_record is not None:
+                self.on_record()
+        else:
+            self._update_many([(st, settings, frozenset(st.has_grad)) for st in todo])
         self._clip_scale = None
         if self.loss_scaling:
             self._good_steps += 1
@@ -492,7 +522,20 @@ class TieredOptimizer(torch.optim.Optimizer):
         parts = [st.unit.partition, st.grads]
         return parts + [st.state] if st.state is not None else parts
 
-    def _update_unit(self, st: UnitOptimState) -> None:
+    def _update_many(self, todo: list[tuple[UnitOptimState, StepSettings, frozenset[str]]],
+                     done: dict[int, Any] | None = None) -> None:
+        """Update units in turn, pipelined: read i+1 | update i | write back i-1; each updated unit leaves
+        `done` (the recorded updates) as soon as it is."""
+        for k, (st, settings, fqns) in enumerate(todo):
+            if k + 1 < len(todo):
+                for part in self._parts(todo[k + 1][0]):
+                    self.swapper.prefetch(part, "host")
+            self._update_unit(st, settings, fqns, done)
+            if st.state is not None and st.state.home.value == "nvme":
+                self.swapper.evict(st.state)  # write-back starts now, overlapping the next update
+
+    def _update_unit(self, st: UnitOptimState, settings: StepSettings, fqns: frozenset[str],
+                     done: dict[int, Any] | None = None) -> None:
         sw = self.swapper
         sw.demote(st.unit.partition)  # a device copy would go stale: the host copy is about to change
         held: list[Partition] = []
@@ -504,15 +547,20 @@ class TieredOptimizer(torch.optim.Optimizer):
             params, grads = views[st.unit.partition.name], views[st.grads.name]
             state = views[st.state.name] if st.state is not None else {}
             check_host(f"the update of unit {st.unit.name!r}", *params.values(), *grads.values(), *state.values())
-            factor = (self._clip_scale or 1.0) / self.scale
-            if factor != 1.0:  # unscale (float16) and clip, in one pass
-                for f in st.has_grad:
-                    grads[f].mul_(factor)
-            for rng in st.ranges:
-                self._update_range(st, rng, params, grads, state)
+            began = self.tracer.now() if self.tracer is not None else 0.0
+            with deferred_interrupts():  # all of the unit's arithmetic or none: Ctrl-C waits for its end
+                if settings.factor != 1.0:  # unscale (float16) and clip, in one pass
+                    for f in fqns:
+                        grads[f].mul_(settings.factor)
+                for rng in st.ranges:
+                    self._update_range(st, rng, params, grads, state, settings.groups[rng.group], fqns)
+                if done is not None:
+                    done.pop(st.unit.index, None)  # applied: never again
+            if self.tracer is not None:
+                self.tracer.span("optimizer", f"update {st.unit.name}", began, unit=st.unit.index)
         finally:
             for part in held:  # a unit's frozen parameters are not written back (a LoRA base's weights)
-                sw.release(part, dirty=part is not st.grads or (self._clip_scale or 1.0) / self.scale != 1.0,
+                sw.release(part, dirty=part is not st.grads or settings.factor != 1.0,
                            tier="host", dirty_end=st.params_end if part is st.unit.partition else None)
 
     def _update_order(self, st: UnitOptimState) -> list[Partition]:
@@ -528,9 +576,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         return largest_first
 
     def _update_range(self, st: UnitOptimState, rng: GroupRange, params: dict[str, torch.Tensor],
-                      grads: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
-        group = self.param_groups[rng.group]
-        live = [f for f in rng.fqns if f in st.has_grad]
+                      grads: dict[str, torch.Tensor], state: dict[str, torch.Tensor], group: dict[str, Any],
+                      fqns: frozenset[str]) -> None:
+        live = [f for f in rng.fqns if f in fqns]
         if not live:
             return
         steps = {st.steps.get(f, 0) for f in live}
@@ -538,18 +586,18 @@ class TieredOptimizer(torch.optim.Optimizer):
             batches = [rng.fqns]  # the whole range at once, as one flat tensor per kind
         else:
             batches = [[f] for f in live]
-        for fqns in batches:
+        for batch in batches:
             target = state if self.mixed else params
             prefix = "master." if self.mixed else ""
-            p = _flat(target, [prefix + f for f in fqns])
-            g = _flat(grads, fqns)
-            step = st.steps.get(fqns[0], 0)
-            new_step = self._apply(group, p, g, {k: _flat(state, [f"{k}.{f}" for f in fqns])
+            p = _flat(target, [prefix + f for f in batch])
+            g = _flat(grads, batch)
+            step = st.steps.get(batch[0], 0)
+            new_step = self._apply(group, p, g, {k: _flat(state, [f"{k}.{f}" for f in batch])
                                                  for k in self._state_kinds() if k != "master"}, step)
-            for f in fqns:
+            for f in batch:
                 st.steps[f] = new_step
             if self.mixed:
-                for f in fqns:
+                for f in batch:
                     params[f].copy_(state[f"master.{f}"])
 
     def _apply(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor],
@@ -582,6 +630,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     # -- torch's state_dict format ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The state in torch.optim's format (parameters numbered as in the original optimizer)."""
+        self.flush()
         state: dict[int, dict[str, Any]] = {}
         kinds = [k for k in self._state_kinds() if k != "master"]
         for st in self.units:
@@ -610,6 +659,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch.optim-format state dict (e.g. from the original optimizer or `state_dict()`)."""
+        self.flush()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups, strict=True)):

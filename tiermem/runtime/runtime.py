@@ -39,6 +39,7 @@ from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
 from tiermem.swap import TensorSwapper, Tier
+from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class Runtime:
         self.moved_buffers: list[tuple[nn.Module, str, torch.device]] = []  # (module, name, origin) to give back
         self._ahead: tuple[int, Gathering] | None = None  # a unit whose gather started early (several ranks)
         self._charged: dict[int, int] = {}  # unit -> gathered bytes counted on the device's ledger
+        self.tracer: Tracer | None = None  # see [Note: traces] in tiermem/trace.py
+        self._bound_at: dict[int, float] = {}  # unit -> when it became usable (trace time)
         swapper.next_use = self._next_use
         largest = max((u.nbytes for u in units), default=0)
         window = self.schedule.depth * largest
@@ -224,8 +227,6 @@ class Runtime:
         self._start_backward()
         if i not in self._bwd_held:
             self._bwd_held.add(i)
-            if self.optimizer is not None:
-                self.optimizer.unit_backward_started(i)
             self.enter(i)
 
     def _make_grad_arriving(self, i: int) -> Any:
@@ -246,15 +247,13 @@ class Runtime:
             self._bwd_done[i] = -1  # finished: the end-of-backward sweep leaves it alone
 
     def _finish_unit_backward(self, i: int) -> None:
-        updated = False
         if self.optimizer is not None:
             self.optimizer.finish_grads(i)
-            updated = self.optimizer.unit_grads_done(i)  # optimizer.overlap_backward: update it now
         if i in self._bwd_held:
             self._bwd_held.discard(i)
             # backward needs a unit once; the next forward's first units come up in the window at its end, but
             # the step changes them before that forward: keeping their device copies would waste the copy
-            self.exit(i, drop=updated or self.optimizer is not None)
+            self.exit(i, drop=self.optimizer is not None)
 
     def _backward_end(self) -> None:
         """Runs once when autograd finishes a backward: release what it still holds, end the pass."""
@@ -348,7 +347,13 @@ class Runtime:
             return
         part = unit.partition
         sw = self.swapper
-        ahead = self._take_ahead(i)
+        try:
+            ahead = self._take_ahead(i)
+            if self.optimizer is not None and ahead is None:
+                self.optimizer.apply_pending(i)  # the last step's update of this unit ([Note: lazy update])
+        except BaseException:
+            unit.depth -= 1
+            raise
         if ahead is not None or sw.is_on_the_way(part, "device") or (
                 not sw.mover.copies and sw.is_on_the_way(part, "host")):
             self.prefetch_hits += 1
@@ -356,6 +361,7 @@ class Runtime:
             self.prefetch_misses += 1
         window = self.schedule.on_acquire(i)
         t0 = time.perf_counter()
+        began = self.tracer.now() if self.tracer is not None else 0.0
         try:
             if ahead is not None:  # its chunks are held on the device and its gather has been running
                 self._prefetch(window)
@@ -369,6 +375,8 @@ class Runtime:
             unit.depth -= 1
             raise
         self.stall_seconds += time.perf_counter() - t0
+        if self.tracer is not None:
+            self._trace_acquired(unit, began)
         self._on_device.add(i)
         unit.bind(tensors)
         for j in list(self._on_device):  # units left on the device that nothing will need soon
@@ -379,6 +387,20 @@ class Runtime:
             self._gather_ahead(i)
 
     # -- several ranks: gathering units whole (see [Note: sharding] in tiermem/distributed.py) --------------
+    def _trace_acquired(self, unit: Unit, began: float) -> None:
+        """The wait for `unit` (its read, its gather) as a span, and the bytes each tier holds now."""
+        assert self.tracer is not None
+        now = self.tracer.now()
+        if now - began > 1.0:  # a microsecond and more: something was waited for
+            self.tracer.span("wait", f"wait {unit.name}", began, now, unit=unit.index)
+        self._bound_at[unit.index] = now
+        self.tracer.counter("bytes held", {t: self.swapper.ledger.now(t) for t in ("host", "device")})
+
+    def prefetch_pending(self) -> None:
+        """`step()` recorded updates: start reading what the next pass's first units' updates need."""
+        if self.schedule.order:
+            self._prefetch(self.schedule.window(), "host")
+
     def _start_gather(self, unit: Unit) -> Gathering:
         """Start the all-gather of `unit`, whose partition is acquired on the device (released on failure)."""
         try:
@@ -410,6 +432,8 @@ class Runtime:
             return
         unit = self.units[j]
         t0 = time.perf_counter()
+        if self.optimizer is not None:
+            self.optimizer.apply_pending(j)
         self.swapper.acquire(unit.partition, "device")  # its read was started with the window
         self.stall_seconds += time.perf_counter() - t0
         self._on_device.add(j)
@@ -462,6 +486,9 @@ class Runtime:
         unit.depth -= 1
         if unit.depth > 0:
             return
+        if self.tracer is not None and i in self._bound_at:
+            self.tracer.span("compute", f"{'backward' if self._in_backward else 'forward'} {unit.name}",
+                             self._bound_at.pop(i), unit=i)
         if dirty and unit.ranks.sharded:  # edits to the gathered unit (tm.gathered()): keep this rank's chunks
             unit.keep_chunks()
         unit.unbind()
@@ -479,9 +506,12 @@ class Runtime:
     def _prefetch(self, window: list[int], tier: str = "device") -> None:
         for j in window:
             part = self.units[j].partition
-            if not self.swapper.is_on_the_way(part, tier):
-                self.swapper.prefetch(part, tier)
-            if tier == "device":
+            extra = self.optimizer.pending_parts(j) if self.optimizer is not None else []
+            to = "host" if extra else tier  # its update comes first, on the host (see [Note: lazy update])
+            for p in (part, *extra):
+                if not self.swapper.is_on_the_way(p, to):
+                    self.swapper.prefetch(p, to)
+            if to == "device":
                 self._on_device.add(j)
         if self.schedule.pinned and window:  # resident units fill window places: read past them
             for j in self.schedule.read_ahead():

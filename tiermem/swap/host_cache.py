@@ -41,6 +41,7 @@ from tiermem.swap.state import DeviceState, HostState, Tier
 
 if TYPE_CHECKING:
     from tiermem.swap.transfers import DeviceMover
+    from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class HostCache:
         self.bytes_read = 0
         self.bytes_written = 0
         self.evictions = 0
+        self.tracer: Tracer | None = None  # records each read and write (see [Note: traces])
         # Optional: how soon a partition is needed again (larger = later). With it, eviction drops the
         # partition needed last; without it, the least recently used.
         self.next_use: Callable[[Partition], float] | None = None
@@ -165,13 +167,17 @@ class HostCache:
         else:
             assert part.extent is not None
             with deferred_interrupts():  # the state says "reading" only once the read is queued
+                began = self.tracer.now() if self.tracer is not None else 0.0
                 fut = self.store.read(part.extent, buf.view, part.size)  # raises before any change
                 part.attach_host(buf, self.ledger, HostState.READING)
                 part.pending = fut
-                fut.add_done_callback(lambda f: self._read_done(part, f))
+                fut.add_done_callback(lambda f: self._read_done(part, f, began))
         self.complete_waiters(part)
 
-    def _read_done(self, part: Partition, fut: IOFuture) -> None:
+    def _read_done(self, part: Partition, fut: IOFuture, began: float = 0.0) -> None:
+        if self.tracer is not None:
+            self.tracer.span("nvme read", part.name, began, bytes=part.size, ok=fut.exception() is None,
+                             files=list(self.store.run_dirs))
         with self.lock:
             part.pending = None
             error = fut.exception()
@@ -214,6 +220,7 @@ class HostCache:
         checksum = zlib.crc32(part.host.view[: part.nbytes]) if self.config.nvme.checksum else None
         with deferred_interrupts():  # the state says "writing" only once the write is queued
             nbytes = min(part.size, align_up(part.dirty_end)) if part.dirty else part.size
+            began = self.tracer.now() if self.tracer is not None else 0.0
             raw = self.store.write(part.extent, part.host.view, nbytes)  # raises before any change
             if checksum is not None:
                 part.checksum = checksum
@@ -223,11 +230,14 @@ class HostCache:
             # what callers wait on completes after _write_done has recorded the write, not when the bytes land
             done = IOFuture(raw.nbytes, 1)
             part.pending = done
-            raw.add_done_callback(lambda f: self._write_done(part, f, done))
+            raw.add_done_callback(lambda f: self._write_done(part, f, done, began))
         return done
 
-    def _write_done(self, part: Partition, fut: IOFuture, done: IOFuture) -> None:
+    def _write_done(self, part: Partition, fut: IOFuture, done: IOFuture, began: float = 0.0) -> None:
         error = fut.exception()
+        if self.tracer is not None:
+            self.tracer.span("nvme write", part.name, began, bytes=fut.nbytes, ok=error is None,
+                             files=list(self.store.run_dirs))
         try:
             with self.lock:
                 part.pending = None

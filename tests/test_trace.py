@@ -1,0 +1,100 @@
+"""Timeline traces (trace.path, tm.trace()): Chrome trace / Perfetto JSON with compute, waits, updates, I/O."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import models
+from tiermem import OffloadError, tiered_offload
+
+
+def _cfg(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme", "grads.tier": "cpu",
+                           "nvme.paths": [str(tmp_path / "swap")], "memory.host_budget": "1MiB",
+                           "wrap.min_unit_bytes": 0}
+    out.update(extra)
+    return out
+
+
+def _model() -> torch.nn.Module:
+    model = models.gpt2(layers=2, width=32, vocab=100)
+    model.config.use_cache = False
+    return model.train()
+
+
+def _train(model: torch.nn.Module, tm: Any, steps: int) -> None:
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        tm.optimizer.zero_grad()
+        tm.backward(model(ids, labels=ids).loss)
+        tm.clip_grad_norm_(1.0)
+        tm.optimizer.step()
+
+
+def _spans(trace: dict[str, Any], track: str) -> list[dict[str, Any]]:
+    tid = next(e["tid"] for e in trace["traceEvents"] if e["ph"] == "M" and e["args"]["name"] == track)
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tid]
+
+
+def test_a_trace_of_training_has_every_units_compute_and_update_and_every_transfer(tmp_path) -> None:
+    """With trace.path set, leaving the context writes a JSON trace: a forward and a backward span for every
+    unit, an update span for every trained unit, the waits, a span per NVMe read and write whose bytes add
+    up to what tm.stats() counted, and the bytes held per tier as counters."""
+    model = _model()
+    path = tmp_path / "out" / "trace.json"
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        **_cfg(tmp_path, **{"trace.path": str(path)})) as tm:
+        _train(model, tm, 3)
+        stats = tm.stats()
+        names = [u.name for u in tm.units]
+        trained = [st.unit.name for st in tm.optimizer.units]
+    trace = json.loads(path.read_text())
+    compute = {e["name"] for e in _spans(trace, "compute")}
+    for name in names:
+        assert {f"forward {name}", f"backward {name}"} <= compute, (name, compute)
+    assert {e["name"] for e in _spans(trace, "optimizer")} == {f"update {n}" for n in trained}
+    assert _spans(trace, "wait")
+    reads, writes = _spans(trace, "nvme read"), _spans(trace, "nvme write")
+    assert reads and writes and all(e["args"]["bytes"] > 0 and e["args"]["ok"] for e in reads + writes)
+    # the context's reads and writes until stats(), then exit's: at least what stats() counted
+    assert sum(e["args"]["bytes"] for e in reads) >= stats["bytes_read"] > 0
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+    held = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == "bytes held"]
+    assert held and max(e["args"]["host"] for e in held) > 0
+
+
+def test_tm_trace_records_a_block_and_its_reads_are_what_stats_counts(tmp_path) -> None:
+    """tm.trace(path) records only its block; the bytes of its read spans are the block's bytes_read. A second
+    trace inside is refused, naming the first."""
+    model = _model()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), **_cfg(tmp_path)) as tm:
+        _train(model, tm, 1)  # not traced
+        tm.reset_stats()
+        with tm.trace(tmp_path / "block.json"):
+            _train(model, tm, 2)
+            with pytest.raises(OffloadError, match="already being recorded"):
+                with tm.trace(tmp_path / "other.json"):
+                    pass
+        stats = tm.stats()
+    trace = json.loads((tmp_path / "block.json").read_text())
+    assert sum(e["args"]["bytes"] for e in _spans(trace, "nvme read")) == stats["bytes_read"] > 0
+    assert not (tmp_path / "other.json").exists()
+
+
+def test_an_unwritable_trace_path_is_a_clear_error_after_the_parameters_come_back(tmp_path) -> None:
+    """trace.path naming a directory: leaving raises an OffloadError that names trace.path, once every
+    parameter has been given back."""
+    model = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    (tmp_path / "a-dir").mkdir()
+    with pytest.raises(OffloadError, match="trace.path: could not write the trace"):
+        with tiered_offload(model, **_cfg(tmp_path, **{"trace.path": str(tmp_path / "a-dir")})):
+            with torch.no_grad():
+                model(torch.zeros(1, 4, dtype=torch.long))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
