@@ -172,7 +172,7 @@ class OffloadHandle:
         if self._tracer is not None:
             raise OffloadError("tm.trace(): a trace is already being recorded (trace.path or an enclosing "
                                "tm.trace()); record one at a time")
-        tracer = Tracer()
+        tracer = Tracer(self.config.to_dict())
         self._set_tracer(tracer)
         try:
             yield tracer
@@ -302,7 +302,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         handle.plan = _plan(handle)
         log.info("tiered_offload plan: %s", handle.plan_summary())
         if config.trace.path is not None:
-            handle._set_tracer(Tracer())  # written when the context ends
+            handle._set_tracer(Tracer(config.to_dict()))  # written when the context ends
         try:
             yield handle
         except BaseException:

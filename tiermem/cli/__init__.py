@@ -1,4 +1,5 @@
-"""The `tiermem` command line: `tiermem demo`, `tiermem info`, `tiermem bench io`, `tiermem config check|show`."""
+"""The `tiermem` command line: `tiermem demo`, `tiermem info`, `tiermem bench io`, `tiermem config check|show`,
+`tiermem report TRACE`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from tiermem.errors import TiermemError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tiermem.cli import bench, config_cmd, demo, info
+    from tiermem.cli import bench, config_cmd, demo, info, report
 
     parser = argparse.ArgumentParser(prog="tiermem", description="Tiered memory for PyTorch: device, host RAM, NVMe.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what tiermem does (INFO level)")
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(sub)
     config_cmd.register(sub)
     demo.register(sub)
+    report.register(sub)
     return parser
 
 

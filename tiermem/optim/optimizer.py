@@ -397,11 +397,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         st = self.by_unit[unit_index]
         # it leaves `pending` with its arithmetic: an update that could not start (a read, Ctrl-C) stays due
         self._update_many([(st, *rec)], done=self.pending)
-        if st.grads.home.value == "nvme":  # consumed: its memory goes to the reads of the next units
-            if st.has_grad:  # no zero_grad since step(): the next backward adds to these, as torch's would
-                self.swapper.evict(st.grads)
-            else:
-                self.swapper.discard(st.grads)
+        # consumed: their memory goes to the reads of the units after it, unless no zero_grad came since
+        # step(), and the next backward adds to these as torch's would
+        if not st.has_grad:
+            self.swapper.discard(st.grads)
+        elif st.grads.home.value == "nvme":
+            self.swapper.evict(st.grads)
 
     def pending_parts(self, unit_index: int) -> list[Partition]:
         """The partitions the unit's recorded update needs besides its parameters (to read ahead)."""
