@@ -32,8 +32,11 @@ gradients with the same settings, in the same order per parameter. A unit always
 before its gradients can change (backward fetches it first), so a recorded update always finds the
 gradients it was recorded for; a second `step()` before that applies the first update, then records.
 The update could instead run during backward, but clipping needs the global norm and accumulation the
-last micro-batch before any unit may be updated; updating lazily needs neither and is as fast (see
-docs/benchmarks.md).
+last micro-batch before any unit may be updated; updating lazily needs neither. It costs memory, not
+arithmetic: every unit's gradients live from its backward until the next forward reaches it, where an
+update during backward gave each unit's back at once. With a host budget that cannot hold them and the
+read-ahead too, more is read again (measured in docs/benchmarks.md). A unit's accumulators are given back
+as soon as its update is applied.
 """
 
 from __future__ import annotations

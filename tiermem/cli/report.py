@@ -1,0 +1,44 @@
+"""`tiermem report TRACE`: what a timeline trace (trace.path, tm.trace()) says, and what to change."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tiermem.errors import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="summarize a timeline trace: compute, waits, I/O overlap, what to change")
+    p.add_argument("trace", help="a trace written by trace.path or tm.trace(path)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tiermem.trace import summarize
+
+    try:
+        with open(args.trace, encoding="utf-8") as f:
+            trace = json.load(f)
+        s = summarize(trace)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"{args.trace}: cannot read it as a tiermem trace: {exc}") from exc
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    wall = s["wall_seconds"]
+    print(f"{args.trace}: {wall:.3f} s recorded")
+    for key, what in (("compute_seconds", "computing (forward and backward)"), ("update_seconds", "updating"),
+                      ("wait_seconds", "waiting for units"), ("io_busy_seconds", "with transfers in flight")):
+        print(f"  {what:<36} {s[key]:8.3f} s  {s[key] / wall:6.1%}" if wall else f"  {what}: {s[key]:.3f} s")
+    if s["io_overlapped_with_compute"] is not None:
+        print(f"  I/O that ran while computing or updating: {s['io_overlapped_with_compute']:.1%}")
+    for key in ("read", "write"):
+        gbps = s[f"{key}_gbps"]
+        print(f"  {key}: {s[f'{key}_bytes'] / 1e6:.1f} MB" + (f" at {gbps:.2f} GB/s while in flight" if gbps else ""))
+    if s["waits_by_unit"]:
+        print("  waited longest for: " + ", ".join(f"{k} {v:.3f} s" for k, v in s["waits_by_unit"].items()))
+    for line in s["advice"]:
+        print(f"advice: {line}")
+    return 0
