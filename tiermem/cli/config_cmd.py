@@ -1,8 +1,10 @@
-"""`tiermem config check FILE...` and `tiermem config show [FILE]`: validate and print swap-configs."""
+"""`tiermem config check FILE...`, `tiermem config show [FILE]` and `tiermem config from-deepspeed FILE`: validate,
+print and convert swap-configs."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -67,6 +69,25 @@ def run_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_from_deepspeed(args: argparse.Namespace) -> int:
+    """Print the swap-config a DeepSpeed JSON config maps to; one warning line on stderr per key that has
+    no equivalent or means something else."""
+    from tiermem.migrate import from_deepspeed
+
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            ds = json.load(f)
+        overrides, warnings = from_deepspeed(ds)
+        cfg = load_config(None, **overrides)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError and ConfigError are ValueErrors
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    for line in warnings:
+        print(f"tiermem: warning: {line}", file=sys.stderr)
+    sys.stdout.write(format_config(cfg))
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``config`` command and its ``check`` and ``show`` subcommands to `subparsers`."""
     parser = subparsers.add_parser(
@@ -74,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="validate or print a swap-config",
         description="Validate swap-config YAML files or print the effective config. See docs/config.md for every key.",
     )
-    commands = parser.add_subparsers(dest="config_command", metavar="{check,show}")
+    commands = parser.add_subparsers(dest="config_command", metavar="{check,show,from-deepspeed}")
     commands.required = True
 
     set_help = "override one key after reading the file, e.g. --set prefetch.depth=4 (repeatable)"
@@ -97,3 +118,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     show.add_argument("file", nargs="?", metavar="FILE", help="a swap-config YAML file")
     show.add_argument("--set", action="append", type=_parse_set, metavar="KEY=VALUE", help=set_help)
     show.set_defaults(func=run_show)
+
+    convert = commands.add_parser(
+        "from-deepspeed",
+        help="convert a DeepSpeed ZeRO config to a swap-config",
+        description="Print the swap-config that DeepSpeed config FILE (JSON) maps to; on stderr, one warning per "
+        "key with no equivalent or another meaning, saying what tiermem does instead.",
+    )
+    convert.add_argument("file", metavar="FILE", help="a DeepSpeed config (ds_config.json)")
+    convert.set_defaults(func=run_from_deepspeed)
