@@ -69,8 +69,9 @@ def test_a_trace_of_training_has_every_units_compute_and_update_and_every_transf
 
 
 def test_tm_trace_records_a_block_and_its_reads_are_what_stats_counts(tmp_path) -> None:
-    """tm.trace(path) records only its block; the bytes of its read spans are the block's bytes_read. A second
-    trace inside is refused, naming the first."""
+    """tm.trace(path) records the transfers its block starts, all of them, and nothing from before it (a read
+    that began before the block and ended in it counts in stats() only); a second trace inside is refused,
+    and an unwritable path is an error naming it."""
     model = _model()
     with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), **_cfg(tmp_path)) as tm:
         _train(model, tm, 1)  # not traced
@@ -82,8 +83,14 @@ def test_tm_trace_records_a_block_and_its_reads_are_what_stats_counts(tmp_path) 
                     pass
         stats = tm.stats()
     trace = json.loads((tmp_path / "block.json").read_text())
-    assert sum(e["args"]["bytes"] for e in _spans(trace, "nvme read")) == stats["bytes_read"] > 0
+    assert 0 < sum(e["args"]["bytes"] for e in _spans(trace, "nvme read")) <= stats["bytes_read"]
+    assert min(e["ts"] for e in trace["traceEvents"] if e["ph"] == "X") >= 0
     assert not (tmp_path / "other.json").exists()
+    with tiered_offload(model, **_cfg(tmp_path)) as tm:
+        with pytest.raises(OffloadError, match=r"tm.trace\(\): could not write the trace to .*a-dir"):
+            (tmp_path / "a-dir").mkdir()
+            with tm.trace(tmp_path / "a-dir"):
+                pass
 
 
 def test_an_unwritable_trace_path_is_a_clear_error_after_the_parameters_come_back(tmp_path) -> None:

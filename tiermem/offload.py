@@ -178,7 +178,16 @@ class OffloadHandle:
             yield tracer
         finally:
             self._set_tracer(None)
-            tracer.write(path)
+            self._settle_transfers()  # the transfers the block started end in its trace
+            try:
+                tracer.write(path)
+            except OSError as exc:
+                raise OffloadError(f"tm.trace(): could not write the trace to {os.fspath(path)}: {exc}; pass a "
+                                   "writable file path") from exc
+
+    def _settle_transfers(self) -> None:
+        for part in list(self.swapper.partitions.values()):
+            self.swapper.wait_idle(part)
 
     def _set_tracer(self, tracer: Tracer | None) -> None:
         self._tracer = tracer
@@ -348,6 +357,7 @@ def _write_trace(handle: OffloadHandle, raised: bool) -> None:
     if tracer is None or path is None:
         return
     handle._set_tracer(None)
+    handle._settle_transfers()
     try:
         log.info("trace written to %s (open it in ui.perfetto.dev)", tracer.write(path))
     except OSError as exc:

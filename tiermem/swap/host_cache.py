@@ -167,16 +167,17 @@ class HostCache:
         else:
             assert part.extent is not None
             with deferred_interrupts():  # the state says "reading" only once the read is queued
-                began = self.tracer.now() if self.tracer is not None else 0.0
+                tracer = self.tracer  # the trace recording when the read starts gets its span
+                began = tracer.now() if tracer is not None else 0.0
                 fut = self.store.read(part.extent, buf.view, part.size)  # raises before any change
                 part.attach_host(buf, self.ledger, HostState.READING)
                 part.pending = fut
-                fut.add_done_callback(lambda f: self._read_done(part, f, began))
+                fut.add_done_callback(lambda f: self._read_done(part, f, tracer, began))
         self.complete_waiters(part)
 
-    def _read_done(self, part: Partition, fut: IOFuture, began: float = 0.0) -> None:
-        if self.tracer is not None:
-            self.tracer.span("nvme read", part.name, began, bytes=part.size, ok=fut.exception() is None,
+    def _read_done(self, part: Partition, fut: IOFuture, tracer: Tracer | None = None, began: float = 0.0) -> None:
+        if tracer is not None:
+            tracer.span("nvme read", part.name, began, bytes=part.size, ok=fut.exception() is None,
                              files=list(self.store.run_dirs))
         with self.lock:
             part.pending = None
@@ -220,7 +221,8 @@ class HostCache:
         checksum = zlib.crc32(part.host.view[: part.nbytes]) if self.config.nvme.checksum else None
         with deferred_interrupts():  # the state says "writing" only once the write is queued
             nbytes = min(part.size, align_up(part.dirty_end)) if part.dirty else part.size
-            began = self.tracer.now() if self.tracer is not None else 0.0
+            tracer = self.tracer
+            began = tracer.now() if tracer is not None else 0.0
             raw = self.store.write(part.extent, part.host.view, nbytes)  # raises before any change
             if checksum is not None:
                 part.checksum = checksum
@@ -230,13 +232,14 @@ class HostCache:
             # what callers wait on completes after _write_done has recorded the write, not when the bytes land
             done = IOFuture(raw.nbytes, 1)
             part.pending = done
-            raw.add_done_callback(lambda f: self._write_done(part, f, done, began))
+            raw.add_done_callback(lambda f: self._write_done(part, f, done, tracer, began))
         return done
 
-    def _write_done(self, part: Partition, fut: IOFuture, done: IOFuture, began: float = 0.0) -> None:
+    def _write_done(self, part: Partition, fut: IOFuture, done: IOFuture, tracer: Tracer | None = None,
+                    began: float = 0.0) -> None:
         error = fut.exception()
-        if self.tracer is not None:
-            self.tracer.span("nvme write", part.name, began, bytes=fut.nbytes, ok=error is None,
+        if tracer is not None:
+            tracer.span("nvme write", part.name, began, bytes=fut.nbytes, ok=error is None,
                              files=list(self.store.run_dirs))
         try:
             with self.lock:
