@@ -298,9 +298,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             override = dtype_of(swapper.config.params.dtype)
             handle.optimizer = TieredOptimizer(optimizer, runtime.units, swapper,
                                                mixed=override not in (None, torch.float32),
-                                               loss_scaling=override is torch.float16)
+                                               loss_scaling=override is torch.float16,
+                                               on_record=runtime.prefetch_pending)
             runtime.optimizer = handle.optimizer
-            handle.optimizer.on_record = runtime.prefetch_pending
             patched = _delegate(optimizer, handle.optimizer)
         runtime.register_hooks()
         handle.reset_stats()

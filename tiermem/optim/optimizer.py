@@ -106,7 +106,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, original: torch.optim.Optimizer, units: list[Unit], swapper: TensorSwapper,
-                 mixed: bool, loss_scaling: bool = False) -> None:
+                 mixed: bool, loss_scaling: bool = False, on_record: Callable[[], None] | None = None) -> None:
         if type(original) not in SUPPORTED_OPTIMIZERS:
             names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
             raise OptimizerError(f"optimizer: {type(original).__module__}.{type(original).__name__} is not supported "
@@ -127,7 +127,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.lazy = swapper.config.optimizer.update == "lazy"  # see [Note: lazy update]
         self.pending: dict[int, tuple[StepSettings, frozenset[str]]] = {}  # unit -> its recorded update
-        self.on_record: Callable[[], None] | None = None  # the runtime's: start reading what comes first
+        self.on_record = on_record  # called when step() has recorded updates: start reading what comes first
         self.tracer: Tracer | None = None  # see [Note: traces] in tiermem/trace.py
         # several ranks: the unit whose gradients' reduce-scatter is in flight (see finish_grads)
         self._reducing: tuple[UnitOptimState, list[str], torch.Tensor, Reducing] | None = None
