@@ -36,6 +36,19 @@ def tiermem_tree() -> dict[str, Any]:
             "uncommitted_in_tiermem": bool(git("status", "--porcelain", "--", "tiermem"))}
 
 
+def package_versions(*names: str) -> dict[str, str]:
+    """Each installed package's version, or "not installed", for the system header."""
+    import importlib.metadata
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
 def print_system_header(title: str, system: dict[str, Any], versions: dict[str, str]) -> None:
     """The first lines every benchmark prints: machine, the paths it measures on, and the versions."""
     print(f"{title}  |  Linux {system['kernel']} {system['machine']}, {system['cpus']} CPUs "

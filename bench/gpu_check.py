@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from _common import (  # bench/ is on sys.path when run as a script
     cpu_model,
+    package_versions,
     print_system_header,
     tiermem_tree,
     write_json,
@@ -415,18 +416,12 @@ def print_summary(report: dict[str, Any]) -> None:
 
 def header(device: torch.device, work: str) -> dict[str, Any]:
     """The system header: machine, swap directory, versions, GPU and the I/O backend tiermem uses."""
-    import importlib.metadata
 
     system = system_info([work])
     system["cpu_model"] = cpu_model()
     system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     system["tiermem_tree"] = tiermem_tree()
-    versions = {"torch": torch.__version__}
-    for name in ("transformers", "safetensors"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+    versions = {"torch": torch.__version__, **package_versions("transformers", "safetensors")}
     reason = available_backends()["io_uring"]  # io.engine auto: io_uring when usable, else threads
     system["io_backend"] = "io_uring" if reason is None else "threads"
     system["io_uring_unusable"] = reason

@@ -52,7 +52,6 @@ GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes; GiB = 2**30 bytes.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import resource
@@ -68,6 +67,7 @@ from typing import Any
 
 from _common import (  # bench/ is on sys.path when run as a script
     cpu_model,
+    package_versions,
     print_system_header,
     tiermem_tree,
     write_json,
@@ -746,12 +746,7 @@ def main(argv: list[str]) -> int:
     system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     system["loadavg_start"] = os.getloadavg()
     system["tiermem_tree"] = tiermem_tree()
-    versions = {}
-    for name in ("tiermem", "torch", "transformers", "accelerate", "safetensors"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+    versions = package_versions("tiermem", "torch", "transformers", "accelerate", "safetensors")
     print_header(system, versions, info, args)
 
     variants = [BY_KEY[k] for k in args.variants.split(",")]

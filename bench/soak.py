@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import math
 import os
 import resource
@@ -100,6 +99,7 @@ from typing import Any
 from _common import (  # bench/ is on sys.path when run as a script
     ROOT,
     cpu_model,
+    package_versions,
     print_system_header,
     tiermem_tree,
     write_json,
@@ -563,12 +563,7 @@ def main(argv: list[str]) -> int:
     system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     system["loadavg_start"] = os.getloadavg()
     system["tiermem_tree"] = tiermem_tree()
-    versions = {}
-    for name in ("tiermem", "torch", "transformers"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+    versions = package_versions("tiermem", "torch", "transformers")
     print_system_header("tiermem soak", system, versions)
     ratio = model["training_state_bytes"] / args.host_budget_bytes
     print(f"  model: GPT2LMHeadModel(n_layer={args.layers}, n_embd={args.width}, n_head={args.heads}, "

@@ -79,7 +79,6 @@ GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes; GiB = 2**30 bytes.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import resource
@@ -94,6 +93,7 @@ from typing import Any
 
 from _common import (  # bench/ is on sys.path when run as a script
     cpu_model,
+    package_versions,
     print_system_header,
     tiermem_tree,
     write_json,
@@ -902,12 +902,7 @@ def main(argv: list[str]) -> int:
     system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     system["loadavg_start"] = os.getloadavg()
     system["tiermem_tree"] = tiermem_tree()
-    versions = {}
-    for name in ("tiermem", "torch", "transformers", "deepspeed"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+    versions = package_versions("tiermem", "torch", "transformers", "deepspeed")
     print_header(system, versions, model, args)
 
     base = {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": args.vocab, "seq": args.seq,

@@ -40,7 +40,6 @@ GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import resource
@@ -52,7 +51,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import cpu_model, print_system_header, tiermem_tree, write_json  # bench/ is on sys.path
+from _common import cpu_model, package_versions, print_system_header, tiermem_tree, write_json  # bench/ on sys.path
 from train_offload import (
     ADAMW,
     INPUT_SEED,
@@ -383,12 +382,7 @@ def main(argv: list[str]) -> int:
     system = system_info([args.swap_dir])
     system.update(cpu_model=cpu_model(), tiermem_tree=tiermem_tree(),
                   memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
-    versions = {}
-    for name in ("tiermem", "torch", "transformers", "deepspeed"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+    versions = package_versions("tiermem", "torch", "transformers", "deepspeed")
     print_system_header(f"train_ranks: {args.ranks} ranks", system, versions)
     base = {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": args.vocab, "seq": args.seq,
             "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "ds_swap_dir": ds_swap,
