@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
-from tiermem.distributed import Ranks, chunk_specs, gather_unit, scatter_sum
+from tiermem.distributed import Ranks, chunk_specs, finish_scatter_sum, gather_unit, start_scatter_sum
 from tiermem.swap import Layout
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,7 +41,8 @@ def _gather_and_scatter(rank: int, world: int, folder: Path) -> None:
         assert torch.equal(t, values[name]), name
     # each rank contributes (rank + 1) * value: the mean over ranks is value * (world + 1) / 2
     grads = torch.zeros(chunks.size, dtype=torch.uint8)
-    scatter_sum(ranks, {n: v * (rank + 1) for n, v in values.items()}, chunks, grads)
+    reducing = start_scatter_sum(ranks, {n: v * (rank + 1) for n, v in values.items()}, chunks, grads)
+    finish_scatter_sum(ranks, reducing, chunks, grads)
     got = chunks.views(grads)
     for name, t in values.items():
         start, end = ranks.my_range(t.numel())

@@ -340,7 +340,8 @@ def test_a_step_is_applied_as_the_next_forward_fetches_each_unit(tmp_path, grads
         loss_fn(model, x, y).backward()
         tm.reset_stats()
         opt.step()
-        assert len(opt.pending) == len(opt.units) and tm.stats()["bytes_read"] == 0
+        assert len(opt.pending) == len(opt.units) and tm.stats()["bytes_read"] == 0  # all of it fits the budget
+        assert not any(st.steps for st in opt.units)  # recorded, not applied
         opt.zero_grad()
         with torch.no_grad():
             out = model(x)

@@ -276,10 +276,5 @@ def finish_scatter_sum(ranks: Ranks, r: Reducing, chunks: Layout, out: torch.Ten
     ranks.finish_reduce_scatter(r.work, _fp32(out, chunks), r.rows.view(-1))
 
 
-def scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layout, out: torch.Tensor) -> None:
-    """`start_scatter_sum` and `finish_scatter_sum`, now."""
-    finish_scatter_sum(ranks, start_scatter_sum(ranks, whole, chunks, out), chunks, out)
-
-
 def _fp32(out: torch.Tensor, chunks: Layout) -> torch.Tensor:
     return out.view(torch.float32)[: chunks.size // 4]

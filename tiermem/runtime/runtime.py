@@ -431,9 +431,9 @@ class Runtime:
         if j is None or j == i or self.units[j].depth > 0 or self._ahead is not None:
             return
         unit = self.units[j]
-        t0 = time.perf_counter()
         if self.optimizer is not None:
-            self.optimizer.apply_pending(j)
+            self.optimizer.apply_pending(j)  # as enter() does; its time is the update's, not a stall
+        t0 = time.perf_counter()
         self.swapper.acquire(unit.partition, "device")  # its read was started with the window
         self.stall_seconds += time.perf_counter() - t0
         self._on_device.add(j)
