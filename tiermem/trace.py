@@ -7,7 +7,7 @@ block ends), tiermem records:
   device until it is released) and, on the "optimizer" track, a span per unit's update;
 - on the "wait" track, a span for each time compute waited for a unit (its read, its gather);
 - on the "nvme read" and "nvme write" tracks, a span per transfer from submission to completion, with its
-  partition, bytes and swap files;
+  partition, bytes and swap folders (`swap_dirs`);
 - counters of the bytes each tier holds, sampled at every acquisition.
 Times are microseconds from the start of recording. Events are appended to a list under a lock (the I/O
 engine's completions arrive on its thread) and written once, as {"traceEvents": [...]}: the format

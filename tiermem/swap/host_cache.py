@@ -178,7 +178,7 @@ class HostCache:
     def _read_done(self, part: Partition, fut: IOFuture, tracer: Tracer | None = None, began: float = 0.0) -> None:
         if tracer is not None:
             tracer.span("nvme read", part.name, began, bytes=part.size, ok=fut.exception() is None,
-                             files=list(self.store.run_dirs))
+                             swap_dirs=list(self.store.run_dirs))
         with self.lock:
             part.pending = None
             error = fut.exception()
@@ -240,7 +240,7 @@ class HostCache:
         error = fut.exception()
         if tracer is not None:
             tracer.span("nvme write", part.name, began, bytes=fut.nbytes, ok=error is None,
-                             files=list(self.store.run_dirs))
+                             swap_dirs=list(self.store.run_dirs))
         try:
             with self.lock:
                 part.pending = None
