@@ -381,10 +381,15 @@ class TensorSwapper:
             there = tier == "device" and part.reached("device")
             if there:  # held in the same breath, so nothing demotes it in between
                 part.holders[tier] += 1
-        if not there:
+        while not there:
             fut = self._fetch_host(part, True)
             with self._lock:
                 part.holders[tier] += 1  # counted before waiting, so eviction cannot take it from under us
+                # a write-back that frees the host copy may have ended between the fetch finding the copy and
+                # this count (the engine's thread): then fetch again, now that nothing can free it
+                there = not fut.done() or part.has_host_bytes() or fut.exception() is not None
+                if not there:
+                    part.holders[tier] -= 1
         with self._lock:
             part.prefetched = False
         try:
