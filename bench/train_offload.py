@@ -432,6 +432,7 @@ def update_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # -- subprocesses -------------------------------------------------------------------------------------
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
+    env.setdefault("MKL_CBWR", "AUTO,STRICT")  # reproducible BLAS from process to process (tests/conftest.py)
     env.update(BY_KEY[spec["variant"]].env if spec["variant"] in BY_KEY else ())
     lib = env.get("LD_PRELOAD", "")
     if lib in ALLOCATOR_PACKAGES:  # _find_lib found no such file

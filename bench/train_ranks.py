@@ -177,7 +177,7 @@ def launch(spec: dict[str, Any], ranks: int) -> dict[str, Any]:
     spec_path = os.path.join(folder, "spec.json")
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {"MKL_CBWR": "AUTO,STRICT", **os.environ, "OMP_NUM_THREADS": "1"}  # reproducible BLAS (tests/conftest.py)
     if spec["variant"] == "deepspeed":
         env["DS_ACCELERATOR"] = "cpu"
         shutil.rmtree(spec["ds_swap_dir"], ignore_errors=True)  # stale swap files of another size break its start
