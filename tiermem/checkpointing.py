@@ -71,7 +71,7 @@ from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import aiofiles
 import torch
@@ -80,11 +80,10 @@ from tiermem.device import check_host
 from tiermem.distributed import Ranks, gather_unit
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.io.aio import read_bytes
+from tiermem.optim import StateTensor, TieredOptimizer
 from tiermem.runtime.checkpoint import SafetensorsCheckpoint, SafetensorsWriter
-from tiermem.swap import Layout
-
-if TYPE_CHECKING:
-    from tiermem.offload import OffloadHandle
+from tiermem.runtime.unit import Unit
+from tiermem.swap import Layout, Partition, TensorSwapper
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +102,35 @@ _RENAMEAT2_SYSCALL = {"x86_64": 316, "aarch64": 276}  # for a libc without the r
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}  # the filesystem or kernel cannot exchange
 _warned_no_exchange: set[str] = set()  # parent directories already logged as lacking RENAME_EXCHANGE
 
-Spec = tuple[str, torch.dtype, tuple[int, ...], Any]  # (name, dtype, shape, where its bytes come from)
+
+
+@dataclass(frozen=True)
+class CheckpointContents:
+    """What a checkpoint holds and where it lives: the model (its config and buffers), its units (whose
+    partitions hold the weights), the swapper that reads and writes those partitions, and the optimizer
+    (its state tensors, step counts and settings), or None. The handle of `tiered_offload` makes one."""
+
+    model: torch.nn.Module
+    units: list[Unit]
+    swapper: TensorSwapper
+    optimizer: TieredOptimizer | None
+
+
+@dataclass(frozen=True)
+class _InPartition:
+    """A tensor's bytes in a partition: unit `unit`'s weights, or with `state` its optimizer state; `slot`
+    names it in the partition's layout."""
+
+    unit: int
+    state: bool
+    slot: str
+
+
+Spec = tuple[str, torch.dtype, tuple[int, ...], "_InPartition | torch.Tensor"]  # name, dtype, shape, its bytes
 T = TypeVar("T")
 
 
-def save_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str], max_shard_bytes: int = DEFAULT_SHARD, *,
+def save_checkpoint(src: CheckpointContents, path: str | os.PathLike[str], max_shard_bytes: int = DEFAULT_SHARD, *,
                     adapters_only: bool = False) -> str:
     """Write model weights, buffers and optimizer state to the directory `path`; return its absolute path.
 
@@ -117,20 +140,20 @@ def save_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str], max_shard_b
     model's adapters, in PEFT's own format (see `_write_adapters`).
     """
     final = os.path.realpath(os.fspath(path))
-    ranks = tm.units[0].ranks if tm.units else Ranks()
+    ranks = src.units[0].ranks if src.units else Ranks()
     if ranks.sharded and not adapters_only:  # whole tensors, gathered by all ranks and written by rank 0
         if ranks.rank != 0:
-            _write(tm, None, max_shard_bytes)
+            _write(src, None, max_shard_bytes)
             ranks.barrier()  # returns once rank 0 has put the checkpoint in place
             return final
         try:
-            return _save(tm, final, max_shard_bytes, adapters_only)
+            return _save(src, final, max_shard_bytes, adapters_only)
         finally:
             ranks.barrier()
-    return _save(tm, final, max_shard_bytes, adapters_only)
+    return _save(src, final, max_shard_bytes, adapters_only)
 
 
-def _save(tm: OffloadHandle, final: str, max_shard_bytes: int, adapters_only: bool) -> str:
+def _save(src: CheckpointContents, final: str, max_shard_bytes: int, adapters_only: bool) -> str:
     if os.path.lexists(final) and not os.path.isdir(final):
         raise CheckpointError(f"{final} exists and is not a directory; pass a directory for the checkpoint")
     os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -140,9 +163,9 @@ def _save(tm: OffloadHandle, final: str, max_shard_bytes: int, adapters_only: bo
     os.makedirs(tmp)
     try:
         if adapters_only:
-            _write_adapters(tm, tmp)
+            _write_adapters(src, tmp)
         else:
-            _write(tm, tmp, max_shard_bytes)
+            _write(src, tmp, max_shard_bytes)
         _install(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # the unfinished new one, or the old one after an exchange
@@ -150,7 +173,7 @@ def _save(tm: OffloadHandle, final: str, max_shard_bytes: int, adapters_only: bo
     return final
 
 
-def load_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str]) -> None:
+def load_checkpoint(src: CheckpointContents, path: str | os.PathLike[str]) -> None:
     """Load weights, buffers and optimizer state saved by `save_checkpoint`, all or nothing.
 
     The whole checkpoint is checked first (files, shapes, checksums, trainer state; see [Note: checked
@@ -164,9 +187,9 @@ def load_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str]) -> None:
             raise CheckpointError(f"{folder} does not exist right now: process {live[0]} is replacing it on a "
                                   "filesystem without RENAME_EXCHANGE; load again when that save has finished")
         raise CheckpointError(f"{folder} does not exist; pass the directory tm.save_checkpoint wrote")
-    checked = _check(tm, folder)
+    checked = _check(src, folder)
     try:
-        _load(tm, checked)
+        _load(src, checked)
     except (OSError, TiermemError) as exc:
         raise CheckpointError(
             f"{folder}: loading failed part way, after every check had passed: {exc}. The model and optimizer now "
@@ -178,14 +201,14 @@ def load_checkpoint(tm: OffloadHandle, path: str | os.PathLike[str]) -> None:
 
 
 # -- model ------------------------------------------------------------------------------------------
-def _model_tensors(tm: OffloadHandle) -> Iterator[Spec]:
+def _model_tensors(src: CheckpointContents) -> Iterator[Spec]:
     """(name, dtype, shape, source) for every tensor to save, in unit order."""
-    for unit in tm.units:
+    for unit in src.units:
         dtypes = {s.name: s.dtype for s in unit.partition.layout.slots}  # stored dtype (params.dtype)
         for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
-            yield fqn, dtypes[fqn], shape, ("unit", unit.index)
-    for name, buf in _persistent_buffers(tm.model):
-        yield name, buf.dtype, tuple(buf.shape), ("buffer", buf)
+            yield fqn, dtypes[fqn], shape, _InPartition(unit.index, False, fqn)
+    for name, buf in _persistent_buffers(src.model):
+        yield name, buf.dtype, tuple(buf.shape), buf
 
 
 def _persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,57 +219,49 @@ def _persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
 
 
 # -- optimizer ----------------------------------------------------------------------------------------
-def _optimizer_tensors(tm: OffloadHandle) -> Iterator[Spec]:
-    opt = tm.optimizer
-    assert opt is not None
-    kinds = opt._state_kinds()
-    for st in opt.units:
-        if st.state is None:
-            continue
-        shapes = dict(zip([f for f, _ in st.unit.params], st.unit.shapes, strict=True))
-        for kind in kinds:
-            for fqn, _, _ in st.trainable:
-                yield f"{fqn}::{kind}", torch.float32, shapes[fqn], ("state", st.unit.index, f"{kind}.{fqn}")
+def _optimizer_tensors(src: CheckpointContents) -> Iterator[Spec]:
+    assert src.optimizer is not None
+    for t in src.optimizer.state_tensors():
+        yield t.name, torch.float32, t.shape, _InPartition(t.unit, True, t.slot)
 
 
-def _trainer_state(tm: OffloadHandle) -> dict[str, Any]:
-    opt = tm.optimizer
+def _trainer_state(src: CheckpointContents) -> dict[str, Any]:
+    opt = src.optimizer
     assert opt is not None
-    name_of = _param_names(tm)
+    name_of = _param_names(src)
     groups = []
     for group in opt.param_groups:
         saved = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
         saved = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in saved.items()}
         saved["params"] = [name_of[id(p)] for p in group["params"]]
         groups.append(saved)
-    steps = {fqn: n for st in opt.units for fqn, n in st.steps.items()}
     return {"format": FORMAT, "optimizer": opt.kind.__name__, "param_groups": groups,
-            "state_kinds": opt._state_kinds(), "steps": steps, "loss_scale": opt.loss_scale_state()}
+            "state_kinds": opt.state_kinds(), "steps": opt.step_counts(), "loss_scale": opt.loss_scale_state()}
 
 
-def _param_names(tm: OffloadHandle) -> dict[int, str]:
-    return {id(p): fqn for u in tm.units for fqn, p in u.params}
+def _param_names(src: CheckpointContents) -> dict[int, str]:
+    return {id(p): fqn for u in src.units for fqn, p in u.params}
 
 
 # -- writing ----------------------------------------------------------------------------------------
-def _write(tm: OffloadHandle, folder: str | None, max_shard_bytes: int) -> None:
+def _write(src: CheckpointContents, folder: str | None, max_shard_bytes: int) -> None:
     """Write the whole checkpoint into the empty directory `folder`, every file fsynced, manifest.json last.
     With several ranks, the ranks other than 0 pass None: they take part in gathering every tensor only."""
     files: dict[str, dict[str, Any]] = {}  # manifest entries by file name
     small: dict[str, bytes] = {}  # the JSON files, written together with aiofiles
     if folder is None:
-        _write_sharded(None, "model", list(_model_tensors(tm)), max_shard_bytes, tm, files)
-        if tm.optimizer is not None:
-            _write_sharded(None, "optimizer", list(_optimizer_tensors(tm)), max_shard_bytes, tm, files)
+        _write_sharded(None, "model", list(_model_tensors(src)), max_shard_bytes, src, files)
+        if src.optimizer is not None:
+            _write_sharded(None, "optimizer", list(_optimizer_tensors(src)), max_shard_bytes, src, files)
         return
-    config = getattr(tm.model, "config", None)
+    config = getattr(src.model, "config", None)
     if config is not None and callable(getattr(config, "save_pretrained", None)):
         config.save_pretrained(folder)
-    small[MODEL_INDEX] = _write_sharded(folder, "model", list(_model_tensors(tm)), max_shard_bytes, tm, files)
-    if tm.optimizer is not None:
-        small[OPTIMIZER_INDEX] = _write_sharded(folder, "optimizer", list(_optimizer_tensors(tm)), max_shard_bytes,
-                                                tm, files)
-        small[TRAINER_STATE] = _dumps(_trainer_state(tm))
+    small[MODEL_INDEX] = _write_sharded(folder, "model", list(_model_tensors(src)), max_shard_bytes, src, files)
+    if src.optimizer is not None:
+        small[OPTIMIZER_INDEX] = _write_sharded(folder, "optimizer", list(_optimizer_tensors(src)), max_shard_bytes,
+                                                src, files)
+        small[TRAINER_STATE] = _dumps(_trainer_state(src))
     _run(_write_files(folder, small))
     files.update({name: _whole_file(data) for name, data in small.items()})
     for name in sorted(os.listdir(folder)):  # config.json, and whatever else save_pretrained wrote
@@ -256,34 +271,34 @@ def _write(tm: OffloadHandle, folder: str | None, max_shard_bytes: int) -> None:
     _fsync_dir(folder)
 
 
-def _write_adapters(tm: OffloadHandle, folder: str) -> None:
+def _write_adapters(src: CheckpointContents, folder: str) -> None:
     """A PEFT model's active adapter as PEFT's `save_pretrained` writes it, so `PeftModel.from_pretrained(base,
     folder)` loads it: adapter_model.safetensors (every parameter of the adapter, named without the adapter
     name, as `get_peft_model_state_dict` names them) and adapter_config.json. The base weights stay out."""
-    configs = getattr(tm.model, "peft_config", None)
+    configs = getattr(src.model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
-        raise CheckpointError(f"adapters_only: {type(tm.model).__name__} is not a PEFT model (it has no peft_config); "
+        raise CheckpointError(f"adapters_only: {type(src.model).__name__} is not a PEFT model (it has no peft_config); "
                               "save the whole checkpoint, or offload the model get_peft_model returned")
-    adapter = getattr(tm.model, "active_adapter", None)
+    adapter = getattr(src.model, "active_adapter", None)
     adapter = adapter if isinstance(adapter, str) and adapter in configs else next(iter(configs))
     marker = f".{adapter}."
-    tensors: list[Spec] = []  # (name in the file, dtype, shape, (unit index, the parameter's name))
-    for unit in tm.units:
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...], _InPartition]] = []  # named as PEFT names them
+    for unit in src.units:
         dtypes = {slot.name: slot.dtype for slot in unit.partition.layout.slots}
         for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
             if marker in fqn:
-                tensors.append((fqn.replace(marker, ".", 1), dtypes[fqn], shape, (unit.index, fqn)))
+                tensors.append((fqn.replace(marker, ".", 1), dtypes[fqn], shape, _InPartition(unit.index, False, fqn)))
     if not tensors:
         raise CheckpointError(f"adapters_only: no parameter of adapter {adapter!r} found (names with {marker!r})")
     writer = SafetensorsWriter(os.path.join(folder, ADAPTER_WEIGHTS), [(n, d, s) for n, d, s, _ in tensors])
     try:
-        for name, _, _, (index, fqn) in tensors:
-            part = tm.units[index].partition
-            views = tm.swapper.acquire(part, "host")
+        for name, _, _, source in tensors:
+            part = src.units[source.unit].partition
+            views = src.swapper.acquire(part, "host")
             try:
-                writer.write(name, views[fqn])
+                writer.write(name, views[source.slot])
             finally:
-                tm.swapper.release(part, tier="host")
+                src.swapper.release(part, tier="host")
     except BaseException:
         writer.discard()
         raise
@@ -294,7 +309,7 @@ def _write_adapters(tm: OffloadHandle, folder: str) -> None:
     _fsync_dir(folder)
 
 
-def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_shard_bytes: int, tm: OffloadHandle,
+def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_shard_bytes: int, src: CheckpointContents,
                    files: dict[str, dict[str, Any]]) -> bytes:
     """Write `tensors` into `<prefix>-k-of-n.safetensors` shards (their manifest entries go into `files`);
     return the index's JSON."""
@@ -316,64 +331,64 @@ def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_sha
         name = f"{prefix}-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         specs = [(n, d, s) for n, d, s, _ in shard]
         writer = SafetensorsWriter(os.path.join(folder, name), specs) if folder is not None else _NoWriter()
-        held: tuple[str, int] | None = None
+        held: tuple[int, bool] | None = None  # (unit, state) of the partition acquired
         views: dict[str, torch.Tensor] = {}
         try:
             for tname, _, _, source in shard:
                 weight_map[tname] = name
-                if source[0] == "buffer":
-                    writer.write(tname, source[1])
+                if isinstance(source, torch.Tensor):  # a buffer
+                    writer.write(tname, source)
                     continue
-                key = (source[0], source[1])
+                key = (source.unit, source.state)
                 if held != key:
-                    _release(tm, held)
+                    _release(src, held)
                     held = None
-                    views = _acquire(tm, key)  # a failed read holds nothing
+                    views = _acquire(src, key)  # a failed read holds nothing
                     held = key
-                tensor = views[tname if source[0] == "unit" else source[2]]
+                tensor = views[source.slot]
                 check_host(f"saving {tname!r}", tensor)
                 writer.write(tname, tensor)
         except BaseException:
             writer.discard()
             raise
         finally:
-            _release(tm, held)
+            _release(src, held)
         writer.close()  # fsyncs the file
         files[name] = {"bytes": writer.size, "header_crc32": writer.header_crc32, "tensors": writer.crc32}
     return _dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _partition_for(tm: OffloadHandle, key: tuple[str, int]) -> Any:
-    kind, index = key
-    if kind == "unit":
-        return tm.units[index].partition
-    assert tm.optimizer is not None
-    return tm.optimizer.by_unit[index].state
+def _partition_for(src: CheckpointContents, key: tuple[int, bool]) -> Partition:
+    index, state = key
+    if not state:
+        return src.units[index].partition
+    assert src.optimizer is not None
+    return src.optimizer.state_partition(index)
 
 
-def _acquire(tm: OffloadHandle, key: tuple[str, int]) -> dict[str, torch.Tensor]:
+def _acquire(src: CheckpointContents, key: tuple[int, bool]) -> dict[str, torch.Tensor]:
     """The partition's tensors on the host; with several ranks the tensors whole, gathered from every rank
     (a copy: the partition is released at once, and `_release` has nothing to do)."""
-    part = _partition_for(tm, key)
-    views = tm.swapper.acquire(part, "host")
-    unit = tm.units[key[1]]
+    part = _partition_for(src, key)
+    views = src.swapper.acquire(part, "host")
+    unit = src.units[key[0]]
     if not unit.ranks.sharded:
         return views
     try:
         shapes = {fqn: torch.empty(shape, dtype=torch.float32, device="meta")
                   for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True)}
-        whole = unit.whole if key[0] == "unit" else Layout.of(
+        whole = unit.whole if not key[1] else Layout.of(
             [(slot.name, shapes[slot.name.split(".", 1)[1]]) for slot in part.layout.slots])
         out = torch.empty(whole.size, dtype=torch.uint8)
         gather_unit(unit.ranks, part.flat("host"), part.layout, whole, out)
         return whole.views(out)
     finally:
-        tm.swapper.release(part, tier="host")
+        src.swapper.release(part, tier="host")
 
 
-def _release(tm: OffloadHandle, key: tuple[str, int] | None) -> None:
-    if key is not None and not tm.units[key[1]].ranks.sharded:
-        tm.swapper.release(_partition_for(tm, key), tier="host")
+def _release(src: CheckpointContents, key: tuple[int, bool] | None) -> None:
+    if key is not None and not src.units[key[0]].ranks.sharded:
+        src.swapper.release(_partition_for(src, key), tier="host")
 
 
 class _NoWriter:
@@ -601,7 +616,7 @@ class _Checked:
             self.states.close()
 
 
-def _check(tm: OffloadHandle, folder: str) -> _Checked:
+def _check(src: CheckpointContents, folder: str) -> _Checked:
     """Check everything `_load` will read; raise CheckpointError naming the file (and tensor) otherwise."""
     if not os.path.exists(os.path.join(folder, MODEL_INDEX)):
         raise CheckpointError(f"{folder}: no {MODEL_INDEX}; is this a tiermem checkpoint directory?")
@@ -623,9 +638,9 @@ def _check(tm: OffloadHandle, folder: str) -> _Checked:
     checked = _Checked(weights)
     try:
         _check_shards(weights, files)
-        _check_model(tm, weights)
-        if tm.optimizer is not None:
-            _check_optimizer(tm, folder, files, contents, checked)
+        _check_model(src, weights)
+        if src.optimizer is not None:
+            _check_optimizer(src, folder, files, contents, checked)
         _verify_checksums([r for r in (checked.weights, checked.states) if r is not None], files)
         checked.crc32 = {name: crc for e in files.values() for name, crc in e.get("tensors", {}).items()}
     except BaseException:
@@ -711,23 +726,23 @@ def _check_tensor(reader: SafetensorsCheckpoint, name: str, shape: tuple[int, ..
                               "be converted; the checkpoint was saved from another model. Nothing was loaded")
 
 
-def _check_model(tm: OffloadHandle, weights: SafetensorsCheckpoint) -> None:
-    names = [fqn for u in tm.units for fqn, _ in u.params]
+def _check_model(src: CheckpointContents, weights: SafetensorsCheckpoint) -> None:
+    names = [fqn for u in src.units for fqn, _ in u.params]
     missing = sorted(n for n in names if n not in weights.entries)
     if missing:
         raise CheckpointError(f"{os.path.dirname(weights.path)}: parameters {missing[:5]} are not in the checkpoint; "
                               "it was saved from another model")
-    for unit in tm.units:
+    for unit in src.units:
         dtypes = {s.name: s.dtype for s in unit.partition.layout.slots}
         for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
             _check_tensor(weights, fqn, shape, dtypes[fqn], f"the model's parameter {fqn!r}")
-    for name, buf in _persistent_buffers(tm.model):
+    for name, buf in _persistent_buffers(src.model):
         _check_tensor(weights, name, tuple(buf.shape), buf.dtype, f"the model's buffer {name!r}")
 
 
-def _check_optimizer(tm: OffloadHandle, folder: str, files: dict[str, dict[str, Any]], contents: dict[str, bytes],
+def _check_optimizer(src: CheckpointContents, folder: str, files: dict[str, dict[str, Any]], contents: dict[str, bytes],
                      checked: _Checked) -> None:
-    opt = tm.optimizer
+    opt = src.optimizer
     assert opt is not None
     state_path = os.path.join(folder, TRAINER_STATE)
     if TRAINER_STATE not in contents:
@@ -737,9 +752,9 @@ def _check_optimizer(tm: OffloadHandle, folder: str, files: dict[str, dict[str, 
         saved = json.loads(contents[TRAINER_STATE])
     except ValueError as exc:
         raise CheckpointError(f"{state_path}: not valid JSON ({exc}); use an intact copy of the checkpoint") from None
-    _check_trainer_state(tm, saved, state_path)
+    _check_trainer_state(src, saved, state_path)
     checked.trainer = saved
-    expected = list(_optimizer_tensors(tm))
+    expected = list(_optimizer_tensors(src))
     if not expected:
         return
     if OPTIMIZER_INDEX not in files:
@@ -752,9 +767,9 @@ def _check_optimizer(tm: OffloadHandle, folder: str, files: dict[str, dict[str, 
         _check_tensor(checked.states, name, shape, dtype, f"the optimizer state {name!r}")
 
 
-def _check_trainer_state(tm: OffloadHandle, saved: Any, path: str) -> None:
-    """trainer_state.json is well-formed and agrees with `tm.optimizer`."""
-    opt = tm.optimizer
+def _check_trainer_state(src: CheckpointContents, saved: Any, path: str) -> None:
+    """trainer_state.json is well-formed and agrees with the optimizer."""
+    opt = src.optimizer
     assert opt is not None
 
     def malformed(what: str) -> CheckpointError:
@@ -773,7 +788,7 @@ def _check_trainer_state(tm: OffloadHandle, saved: Any, path: str) -> None:
         raise malformed("'param_groups' is not a list of objects")
     if len(groups) != len(opt.param_groups):
         raise CheckpointError(f"{path}: {len(groups)} param groups saved, the optimizer has {len(opt.param_groups)}")
-    name_of = _param_names(tm)
+    name_of = _param_names(src)
     for k, (group, stored) in enumerate(zip(opt.param_groups, groups, strict=True)):
         names = stored.get("params")
         if not isinstance(names, list) or sorted(map(str, names)) != sorted(name_of[id(p)] for p in group["params"]):
@@ -784,9 +799,9 @@ def _check_trainer_state(tm: OffloadHandle, saved: Any, path: str) -> None:
                 raise malformed(f"param group {k}: {key!r} is {value!r}")
             if isinstance(group.get(key), tuple) and not isinstance(value, list):
                 raise malformed(f"param group {k}: {key!r} is {value!r}, expected a list")
-    if saved.get("state_kinds") != opt._state_kinds():
+    if saved.get("state_kinds") != opt.state_kinds():
         raise CheckpointError(f"{path}: saved with optimizer state {saved.get('state_kinds')}, this optimizer keeps "
-                              f"{opt._state_kinds()}; use the settings it was saved with (amsgrad, momentum, "
+                              f"{opt.state_kinds()}; use the settings it was saved with (amsgrad, momentum, "
                               "params.dtype)")
     steps = saved.get("steps")
     if not isinstance(steps, dict) or not all(_count(n) for n in steps.values()):
@@ -796,8 +811,7 @@ def _check_trainer_state(tm: OffloadHandle, saved: Any, path: str) -> None:
             isinstance(scale.get(k), int | float) and not isinstance(scale.get(k), bool) and math.isfinite(scale[k])
             for k in ("scale", "good_steps", "skipped_steps"))):
         raise malformed("'loss_scale' is not an object with finite scale, good_steps and skipped_steps")
-    trainable = {fqn for st in opt.units for fqn, _, _ in st.trainable}
-    unknown = sorted(set(steps) - trainable)
+    unknown = sorted(set(steps) - set(opt.trained()))
     if unknown:
         raise CheckpointError(f"{path}: step counts for {unknown[:5]}, which this optimizer does not train; it was "
                               "saved from another model or with other param groups")
@@ -826,23 +840,23 @@ def _verify_checksums(readers: list[SafetensorsCheckpoint], files: dict[str, dic
 
 
 # -- loading ------------------------------------------------------------------------------------------
-def _load(tm: OffloadHandle, checked: _Checked) -> None:
+def _load(src: CheckpointContents, checked: _Checked) -> None:
     """Read a checked checkpoint into the partitions, buffers and optimizer."""
     weights = checked.weights
-    engine = tm.swapper.engine
-    for unit in tm.units:
-        views = tm.swapper.acquire(unit.partition, "host")
+    engine = src.swapper.engine
+    for unit in src.units:
+        views = src.swapper.acquire(unit.partition, "host")
         try:
             for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
                 _read(checked, weights, engine, fqn, views[fqn], unit.ranks, shape)
         finally:
-            tm.swapper.release(unit.partition, dirty=True, tier="host")
-    for name, buf in _persistent_buffers(tm.model):  # buffers live on the device: read on the host, then copy
+            src.swapper.release(unit.partition, dirty=True, tier="host")
+    for name, buf in _persistent_buffers(src.model):  # buffers live on the device: read on the host, then copy
         staged = torch.empty(buf.shape, dtype=buf.dtype)
         checked.read_into(weights, engine, name, staged)
         with torch.no_grad():
             buf.copy_(staged)
-    opt = tm.optimizer
+    opt = src.optimizer
     if opt is None:
         return
     saved = checked.trainer
@@ -850,22 +864,20 @@ def _load(tm: OffloadHandle, checked: _Checked) -> None:
         for k, v in stored.items():
             if k != "params":
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    kinds = opt._state_kinds()
     opt.load_loss_scale_state(saved.get("loss_scale"))
-    for st in opt.units:
-        st.steps = {f: int(saved["steps"][f]) for f, _, _ in st.trainable if f in saved["steps"]}
-        if st.state is None:
-            continue
+    opt.load_step_counts(saved["steps"])
+    by_unit: dict[int, list[StateTensor]] = {}
+    for t in opt.state_tensors():
+        by_unit.setdefault(t.unit, []).append(t)
+    for index, tensors in by_unit.items():
         assert checked.states is not None  # _check_optimizer opened it: there are tensors to read
-        views = tm.swapper.acquire(st.state, "host")
-        shapes = dict(zip([f for f, _ in st.unit.params], st.unit.shapes, strict=True))
+        part = opt.state_partition(index)
+        views = src.swapper.acquire(part, "host")
         try:
-            for kind in kinds:
-                for fqn, _, _ in st.trainable:
-                    _read(checked, checked.states, engine, f"{fqn}::{kind}", views[f"{kind}.{fqn}"], st.unit.ranks,
-                          shapes[fqn])
+            for t in tensors:
+                _read(checked, checked.states, engine, t.name, views[t.slot], src.units[index].ranks, t.shape)
         finally:
-            tm.swapper.release(st.state, dirty=True, tier="host")
+            src.swapper.release(part, dirty=True, tier="host")
 
 
 def _read(checked: _Checked, reader: SafetensorsCheckpoint, engine: Any, name: str, target: torch.Tensor,

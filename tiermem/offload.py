@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiermem.checkpointing import CheckpointContents, load_checkpoint, save_checkpoint
 from tiermem.config import Config, load_config
 from tiermem.distributed import Ranks, chunk_specs
 from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadError, RestoreError, StoreError
@@ -74,24 +75,23 @@ class OffloadHandle:
 
         With ``adapters_only=True`` (a PEFT model), write only its active adapter in PEFT's own format
         (adapter_model.safetensors and adapter_config.json), for ``PeftModel.from_pretrained(base, path)``."""
-        from tiermem.checkpointing import save_checkpoint
-
         self._check_open("save_checkpoint")
         if self.optimizer is not None:
             self.optimizer.flush()  # what step() recorded is part of the weights and state saved
-        final = save_checkpoint(self, path, max_shard_bytes, adapters_only=adapters_only)
+        final = save_checkpoint(self._contents(), path, max_shard_bytes, adapters_only=adapters_only)
         if not adapters_only:
             self.saved = (final, self.optimizer.progress() if self.optimizer is not None else 0)
         return final
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Load what `save_checkpoint` wrote (weights, buffers, optimizer state and steps)."""
-        from tiermem.checkpointing import load_checkpoint
-
         self._check_open("load_checkpoint")
         if self.optimizer is not None:
-            self.optimizer.pending.clear()  # the loaded weights and state replace what a step recorded
-        load_checkpoint(self, path)
+            self.optimizer.drop_pending()  # the loaded weights and state replace what a step recorded
+        load_checkpoint(self._contents(), path)
+
+    def _contents(self) -> CheckpointContents:
+        return CheckpointContents(self.model, self.units, self.swapper, self.optimizer)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the dynamic loss scale applied when parameters are float16 (else the same)."""
@@ -372,7 +372,7 @@ def _apply_recorded_updates(handle: OffloadHandle) -> Exception | None:
     """The updates `step()` recorded and no forward applied yet (see [Note: lazy update]) belong to the
     weights given back and the state kept. A failure is logged and returned, to be raised once the
     parameters have been given back."""
-    if handle.optimizer is None or not handle.optimizer.pending:
+    if handle.optimizer is None or not handle.optimizer.has_pending():
         return None
     try:
         handle.optimizer.flush()

@@ -42,7 +42,7 @@ as soon as its update is applied.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,16 @@ class UnitOptimState:
     grads_held: bool = False  # the accumulators are acquired for the backward in progress
     on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # fresh gradients still in device memory
     params_end: int = 0  # the update changes no byte of the unit's partition past this (frozen ones come last)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of optimizer state, as a checkpoint names and finds it (`TieredOptimizer.state_tensors`)."""
+
+    name: str  # "<parameter>::<kind>", its name in a checkpoint
+    unit: int  # the unit whose state partition holds it (`TieredOptimizer.state_partition`)
+    slot: str  # its slot in that partition, "<kind>.<parameter>"
+    shape: tuple[int, ...]  # the whole tensor's shape (with several ranks a partition holds a chunk of it)
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -229,10 +239,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         # the shapes the unit's partition holds: whole tensors, or with several ranks this rank's chunks
         shapes = {slot.name: slot.shape for slot in unit.partition.layout.slots}
         grad_specs = [(fqn, torch.empty(shapes[fqn], dtype=torch.float32, device="meta")) for fqn, _, _ in trainable]
-        state_specs = [(f"{k}.{fqn}", t) for k in self._state_kinds() for fqn, t in grad_specs]
+        state_specs = [(f"{k}.{fqn}", t) for k in self.state_kinds() for fqn, t in grad_specs]
         return grad_specs, state_specs
 
-    def _state_kinds(self) -> list[str]:
+    def state_kinds(self) -> list[str]:
+        """The kinds of state kept per parameter, in the order of the state partition's slots."""
         kinds: list[str] = []
         if self.kind in (torch.optim.Adam, torch.optim.AdamW):
             kinds = ["exp_avg", "exp_avg_sq"]
@@ -418,6 +429,46 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Apply every recorded update, in unit order (each leaves `pending` once applied)."""
         self._update_many([(self.by_unit[i], *self.pending[i]) for i in sorted(self.pending)], done=self.pending)
 
+    # -- its state, for checkpoints ---------------------------------------------------------------
+    def state_tensors(self) -> Iterator[StateTensor]:
+        """Every state tensor (moments, momentum, master weights), unit by unit."""
+        kinds = self.state_kinds()
+        for st in self.units:
+            if st.state is None:
+                continue
+            shapes = dict(zip([f for f, _ in st.unit.params], st.unit.shapes, strict=True))
+            for kind in kinds:
+                for fqn, _, _ in st.trainable:
+                    yield StateTensor(f"{fqn}::{kind}", st.unit.index, f"{kind}.{fqn}", tuple(shapes[fqn]))
+
+    def state_partition(self, unit_index: int) -> Partition:
+        """The partition holding the unit's state tensors (acquire it through the swapper)."""
+        part = self.by_unit[unit_index].state
+        if part is None:
+            raise OptimizerError(f"unit {self.by_unit[unit_index].unit.name!r} keeps no optimizer state")
+        return part
+
+    def trained(self) -> list[str]:
+        """The names of the parameters this optimizer updates."""
+        return [fqn for st in self.units for fqn, _, _ in st.trainable]
+
+    def step_counts(self) -> dict[str, int]:
+        """Optimizer steps taken, per parameter name (those not yet stepped are absent)."""
+        return {fqn: n for st in self.units for fqn, n in st.steps.items()}
+
+    def load_step_counts(self, counts: Mapping[str, int]) -> None:
+        """Put back what `step_counts` returned; parameters it does not name have taken no step."""
+        for st in self.units:
+            st.steps = {f: int(counts[f]) for f, _, _ in st.trainable if f in counts}
+
+    def has_pending(self) -> bool:
+        """Whether step() recorded updates that no forward has applied yet (see [Note: lazy update])."""
+        return bool(self.pending)
+
+    def drop_pending(self) -> None:
+        """Forget the recorded updates: what replaces the weights and state (a loaded checkpoint) wins."""
+        self.pending.clear()
+
     def loss_scale_state(self) -> dict[str, float | int] | None:
         """The dynamic loss scale's state (float16 parameters), for checkpoints; None without loss scaling."""
         if not self.loss_scaling:
@@ -597,7 +648,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             g = _flat(grads, batch)
             step = st.steps.get(batch[0], 0)
             new_step = self._apply(group, p, g, {k: _flat(state, [f"{k}.{f}" for f in batch])
-                                                 for k in self._state_kinds() if k != "master"}, step)
+                                                 for k in self.state_kinds() if k != "master"}, step)
             for f in batch:
                 st.steps[f] = new_step
             if self.mixed:
@@ -636,7 +687,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """The state in torch.optim's format (parameters numbered as in the original optimizer)."""
         self.flush()
         state: dict[int, dict[str, Any]] = {}
-        kinds = [k for k in self._state_kinds() if k != "master"]
+        kinds = [k for k in self.state_kinds() if k != "master"]
         for st in self.units:
             if not st.steps:
                 continue
@@ -671,7 +722,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         for saved, group in zip(groups, self.param_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
-        kinds = [k for k in self._state_kinds() if k != "master"]
+        kinds = [k for k in self.state_kinds() if k != "master"]
         for st in self.units:
             views = self.swapper.acquire(st.state, "host") if st.state is not None else {}
             try:
