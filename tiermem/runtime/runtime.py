@@ -96,7 +96,7 @@ class Runtime:
         self._charged: dict[int, int] = {}  # unit -> gathered bytes counted on the device's ledger
         self.tracer: Tracer | None = None  # see [Note: traces] in tiermem/trace.py
         self._bound_at: dict[int, float] = {}  # unit -> when it became usable (trace time)
-        swapper.next_use = self._next_use
+        swapper.evict_by_next_use(self._next_use)
         largest = max((u.nbytes for u in units), default=0)
         window = self.schedule.depth * largest
         if cfg.max_bytes is not None:

@@ -167,13 +167,11 @@ class TensorSwapper:
         """Pin (CUDA) and register the host pool with the engine this swapper made, once."""
         self.cache.register_pool()
 
-    @property
-    def next_use(self) -> Callable[[Partition], float] | None:
-        return self.cache.next_use
-
-    @next_use.setter
-    def next_use(self, fn: Callable[[Partition], float] | None) -> None:
-        self.cache.next_use = fn
+    def evict_by_next_use(self, next_use: Callable[[Partition], float]) -> None:
+        """From now on, when host memory runs short, write back first the partition needed furthest ahead:
+        `next_use(part)` is how many acquisitions away its next use is (inf for never). Until it is called
+        (and while `next_use` returns 0 for all, before an order is known), the least recently used goes first."""
+        self.cache.next_use = next_use
 
     def is_on_the_way(self, part: Partition, tier: str = "device") -> bool:
         """Whether `part` is usable in `tier` now, or a transfer toward it has started."""
