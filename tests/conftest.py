@@ -18,7 +18,8 @@ import pytest
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 from tiermem.device import CopyingDevice, copying_device
-from tiermem.io.engine import IOEngine, available_backends, create_engine
+from tiermem.io.backends import available_backends, create_engine
+from tiermem.io.engine import IOEngine
 
 BACKENDS = ["io_uring", "threads"]
 # The compute devices the tests that touch the device run on: the CPU itself, and the copying test device

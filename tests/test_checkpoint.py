@@ -325,7 +325,7 @@ def test_a_fault_while_loading_after_the_checks_says_so_and_a_second_load_comple
 
     from tests.faults import FaultyEngine
     from tiermem import checkpointing
-    from tiermem.io.engine import create_engine
+    from tiermem.io.backends import create_engine
 
     data = batches(6)
     model = mlp()

@@ -19,7 +19,7 @@ from tests import models
 from tests.faults import SHORT, FaultyEngine
 from tiermem import OffloadError, tiered_offload
 from tiermem.errors import StoreError, TiermemError
-from tiermem.io.engine import create_engine
+from tiermem.io.backends import create_engine
 from tiermem.offload import RestoreError
 from tiermem.store import SwapStore
 from tiermem.swap import TensorSwapper

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from tiermem.errors import IOEngineError
-from tiermem.io import engine as engine_mod
+from tiermem.io import backends as backends_mod
+from tiermem.io.backends import available_backends, create_engine
 from tiermem.io.buffers import AlignedBuffer
-from tiermem.io.engine import IOEngine, ReadPastEndError, available_backends, create_engine
+from tiermem.io.engine import IOEngine, ReadPastEndError
 from tiermem.io.files import IOFile
 
 SIZES = [1, 511, 4096, 4097, 65536, 65536 * 3 + 123, 1 << 20, (1 << 20) + 4095]
@@ -283,9 +284,9 @@ def test_closed_engine_refuses_work(backend: str, tmp_path) -> None:
 def test_io_uring_forced_off_falls_back_to_threads(monkeypatch, caplog) -> None:
     """With io_uring disabled, auto picks threads with one warning; asking for io_uring explains why not."""
     monkeypatch.setenv("TIERMEM_DISABLE_IO_URING", "1")
-    monkeypatch.setattr(engine_mod, "_probe_result", {})
-    monkeypatch.setattr(engine_mod, "_fallback_logged", False)
-    with caplog.at_level(logging.WARNING, logger="tiermem.io.engine"):
+    monkeypatch.setattr(backends_mod, "_probe_result", {})
+    monkeypatch.setattr(backends_mod, "_fallback_logged", False)
+    with caplog.at_level(logging.WARNING, logger="tiermem.io.backends"):
         with create_engine("auto") as eng:
             assert eng.name == "threads"
         with create_engine("auto"):
@@ -294,7 +295,7 @@ def test_io_uring_forced_off_falls_back_to_threads(monkeypatch, caplog) -> None:
     assert "TIERMEM_DISABLE_IO_URING" in caplog.records[0].getMessage()
     with pytest.raises(IOEngineError, match="io_uring is not usable here.*TIERMEM_DISABLE_IO_URING"):
         create_engine("io_uring")
-    monkeypatch.setattr(engine_mod, "_probe_result", {})
+    monkeypatch.setattr(backends_mod, "_probe_result", {})
 
 
 def test_o_direct_refused_falls_back_to_buffered(engine: IOEngine, ramfs_dir: str, caplog) -> None:

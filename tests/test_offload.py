@@ -10,7 +10,7 @@ from torch import nn
 
 from tests import models
 from tiermem import OffloadError, tiered_offload
-from tiermem.io.engine import available_backends
+from tiermem.io.backends import available_backends
 
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
 

@@ -125,7 +125,7 @@ def test_two_processes_never_share_a_run_directory(engine: IOEngine, tmp_path) -
     """A second process opening a run dir in use gets StoreError naming the holder's pid."""
     with SwapStore([str(tmp_path)], engine, run_name="busy"):
         script = textwrap.dedent(f"""
-            from tiermem.io.engine import create_engine
+            from tiermem.io.backends import create_engine
             from tiermem.store import SwapStore
             from tiermem.errors import StoreError
             try:
@@ -155,7 +155,7 @@ def test_killed_process_leaves_a_run_dir_that_is_cleaned(tmp_path) -> None:
     """A store whose process is SIGKILLed is cleaned by the next one (its lock died with it)."""
     script = textwrap.dedent(f"""
         import os, signal
-        from tiermem.io.engine import create_engine
+        from tiermem.io.backends import create_engine
         from tiermem.store import SwapStore
         s = SwapStore([{str(tmp_path)!r}], create_engine("threads"))
         print(s.run_dirs[0], flush=True)
@@ -164,7 +164,7 @@ def test_killed_process_leaves_a_run_dir_that_is_cleaned(tmp_path) -> None:
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     left = res.stdout.strip()
     assert os.path.isdir(left)
-    from tiermem.io.engine import create_engine
+    from tiermem.io.backends import create_engine
 
     with create_engine("threads") as eng, SwapStore([str(tmp_path)], eng):
         assert not os.path.exists(left)

@@ -49,7 +49,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("engine", ["io_uring", "threads"])
 def test_round_trip_every_tier_path_bit_exact(tmp_path, home: str, engine: str) -> None:
     """All dtypes and odd shapes survive add -> host -> device -> evict -> refetch bit-exact."""
-    from tiermem.io.engine import available_backends
+    from tiermem.io.backends import available_backends
 
     if available_backends()[engine]:
         pytest.skip(f"{engine}: {available_backends()[engine]}")
@@ -383,7 +383,7 @@ def test_cuda_round_trip_through_pinned_host(tmp_path) -> None:
 @pytest.mark.parametrize("engine", ["io_uring", "threads"])
 def test_changes_during_a_write_back_are_not_lost(tmp_path, engine: str) -> None:
     """A partition acquired and changed while its eviction is being written stays dirty and is written again."""
-    from tiermem.io.engine import available_backends
+    from tiermem.io.backends import available_backends
 
     if available_backends()[engine]:
         pytest.skip(f"{engine}: {available_backends()[engine]}")

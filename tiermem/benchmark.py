@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiermem.io.backends import available_backends, create_engine
 from tiermem.io.buffers import HostBufferPool, PoolBuffer
-from tiermem.io.engine import available_backends, create_engine
 from tiermem.io.files import fs_of
 from tiermem.io.future import IOFuture
 from tiermem.store import Extent, SwapStore

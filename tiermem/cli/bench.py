@@ -11,7 +11,7 @@ from typing import Any
 from tiermem.benchmark import BenchSpec, run_benchmark, system_info
 from tiermem.cli.progress import ProgressBar
 from tiermem.errors import BenchArgError
-from tiermem.io.engine import BACKENDS, available_backends
+from tiermem.io.backends import BACKENDS, available_backends
 from tiermem.sizes import format_size, parse_size, short_repr
 
 DEFAULT_PATH = "/var/tmp/tiermem"

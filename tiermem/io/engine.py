@@ -1,4 +1,4 @@
-"""The I/O engine interface shared by the io_uring and threads backends, and the backend choice.
+"""The I/O engine interface shared by the io_uring and threads backends (built by tiermem/io/backends.py).
 
 An engine moves bytes between host buffers and IOFiles asynchronously. `read`/`write` split a transfer
 into chunks of at most `block_size` bytes, keep at most `queue_depth` chunks in flight, and return an
@@ -8,9 +8,7 @@ IOFuture; errors surface from `IOFuture.wait()` as OSError naming the file.
 from __future__ import annotations
 
 import errno
-import logging
 import os
-import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -23,9 +21,6 @@ from tiermem.io.files import IOFile
 from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size
 
-log = logging.getLogger(__name__)
-
-BACKENDS = ("io_uring", "threads")
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_QUEUE_DEPTH = 32
 OP_READ = 0
@@ -146,59 +141,3 @@ class IOEngine(ABC):
 
     def describe(self) -> str:
         return f"{self.name} (block {format_size(self.block_size)}, queue depth {self.queue_depth})"
-
-
-_probe_lock = threading.Lock()
-_probe_result: dict[str, str | None] = {}
-
-
-def available_backends() -> dict[str, str | None]:
-    """Each backend name mapped to None when usable here, else the reason it is not."""
-    from tiermem.io import _native
-
-    with _probe_lock:
-        if not _probe_result:
-            _probe_result["io_uring"] = _native.probe()
-            _probe_result["threads"] = None
-        return dict(_probe_result)
-
-
-def create_engine(backend: str = "auto", *, block_size: int = DEFAULT_BLOCK_SIZE,
-                  queue_depth: int = DEFAULT_QUEUE_DEPTH, sqpoll: bool = False) -> IOEngine:
-    """Build an engine. `backend` is 'auto' (io_uring when usable, else threads), 'io_uring' or 'threads'.
-
-    Example::
-
-        with create_engine("auto", block_size=4 << 20) as engine, IOFile(path, "rw") as f:
-            engine.write(f, buf).wait()
-    """
-    if backend not in ("auto", *BACKENDS):
-        raise IOEngineError(f"io.engine: expected one of auto, io_uring, threads, got {backend!r}")
-    reasons = available_backends()
-    if backend == "auto":
-        backend = "io_uring" if reasons["io_uring"] is None else "threads"
-        if backend == "threads":
-            _log_fallback(reasons["io_uring"])
-    elif reasons[backend] is not None:
-        raise IOEngineError(
-            f"io.engine: {backend} is not usable here: {reasons[backend]}. Set io.engine to 'auto' or 'threads'"
-        )
-    if sqpoll and backend != "io_uring":
-        raise IOEngineError("io.sqpoll: SQPOLL needs io.engine io_uring; set io.sqpoll to false")
-    if backend == "io_uring":
-        from tiermem.io.uring import UringEngine
-
-        return UringEngine(block_size=block_size, queue_depth=queue_depth, sqpoll=sqpoll)
-    from tiermem.io.threads import ThreadEngine
-
-    return ThreadEngine(block_size=block_size, queue_depth=queue_depth)
-
-
-_fallback_logged = False
-
-
-def _log_fallback(reason: str | None) -> None:
-    global _fallback_logged
-    if not _fallback_logged:
-        _fallback_logged = True
-        log.warning("io_uring is not usable (%s); tiermem uses the threads backend", reason)

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 from tiermem.config import Config
 from tiermem.errors import BudgetError, CorruptDataError, StoreError
 from tiermem.interrupts import deferred_interrupts
+from tiermem.io.backends import create_engine
 from tiermem.io.buffers import HostBufferPool, PoolBuffer, align_up
-from tiermem.io.engine import IOEngine, create_engine
+from tiermem.io.engine import IOEngine
 from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size
 from tiermem.store import SwapStore
