@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
@@ -60,6 +61,30 @@ class NativeEngine:
         check(lib.tm_engine_open(queue_depth, block_size, 1 if sqpoll else 0, sq_idle_ms, out),
               "io_uring_queue_init")
         self.handle: Any = out[0]  # the C handle; NULL after close()
+        self._done = ffi.new("struct tm_done[]", 2 * (queue_depth + 1))  # what run() copies finished work into
+
+    def start(self) -> None:
+        """First thing on the loop's thread: makes that thread the ring's one issuer."""
+        check(lib.tm_engine_start(self.handle), "io_uring_enable_rings")
+
+    def enqueue(self, user_data: int, op: int, fd: int, buffered_fd: int, align: int, address: int, offset: int,
+                nbytes: int, path: str) -> None:
+        """Queue one transfer (any thread); `run` reports it under `user_data`."""
+        xfer = ffi.new("struct tm_xfer *", (user_data, address, offset, nbytes, fd, buffered_fd, op, align))
+        check(lib.tm_engine_enqueue(self.handle, xfer, 1), "cannot queue the transfer", path)
+
+    def run(self) -> list[tuple[int, int, int, int]] | None:
+        """Block (GIL released) until transfers finish; their (user_data, res, err_offset, err_len), [] after a
+        kick, None once stopped and drained. res is 0, a negative errno or ERR_EOF."""
+        got = lib.tm_engine_run(self.handle, self._done, len(self._done))
+        if got == -errno.ESHUTDOWN:
+            return None
+        check(got, "io_uring")
+        return [(d.user_data, d.res, d.err_offset, d.err_len) for d in self._done[0:got]]
+
+    def kick(self, stop: bool) -> None:
+        """Make `run` return soon; with stop, refuse new work and return None once the rest has finished."""
+        lib.tm_engine_kick(self.handle, 1 if stop else 0)
 
     def register_buffers(self, regions: list[tuple[int, int]]) -> None:
         """Only on the thread that calls run()."""

@@ -24,7 +24,6 @@ import errno
 import itertools
 import logging
 import threading
-from typing import Any
 
 from tiermem.errors import IOEngineError
 from tiermem.io import _native
@@ -58,12 +57,10 @@ class UringEngine(IOEngine):
                 f"io.block_size: {format_size(block_size)} is over io_uring's limit; use less than 4GiB")
         self.sqpoll = sqpoll
         self._core = _native.NativeEngine(queue_depth, block_size, sqpoll=sqpoll)
-        self._handle = self._core.handle
         self._ids = itertools.count(1)
         self._live: dict[int, tuple[IOFuture, IOFile, int]] = {}  # user_data -> transfer not yet finished
         self._control: collections.deque[tuple[str, object, threading.Event, list[object]]] = (
             collections.deque())  # work that must run on the loop's thread
-        self._done = _native.ffi.new("struct tm_done[]", 2 * (queue_depth + 1))
         # held across the closed check and each call into the core by a caller, so that close() cannot
         # free the core under a caller that is about to queue work
         self._calls = threading.Lock()
@@ -84,14 +81,15 @@ class UringEngine(IOEngine):
         future = IOFuture(nbytes, 1, keepalive=view)
         uid = next(self._ids)
         self._live[uid] = (future, file, op)
-        xfer = _native.ffi.new("struct tm_xfer *", (
-            uid, address, offset, nbytes, file.fd, file.buffered_fd, op, ALIGN if file.direct else 0))
-        with self._calls:
-            ret = -errno.ESHUTDOWN if self.closed else _native.lib.tm_engine_enqueue(self._handle, xfer, 1)
-        if ret < 0:
+        try:
+            with self._calls:
+                if self.closed:
+                    raise OSError(errno.ESHUTDOWN, "the io_uring engine is closed", file.path)
+                self._core.enqueue(uid, op, file.fd, file.buffered_fd, ALIGN if file.direct else 0, address, offset,
+                                   nbytes, file.path)
+        except BaseException:
             self._live.pop(uid, None)
-            raise OSError(-ret, "the io_uring engine is closed" if ret == -errno.ESHUTDOWN else
-                          "cannot queue the transfer", file.path)
+            raise
         return future
 
     def register_buffers(self, regions: list[tuple[int, int]]) -> bool:
@@ -118,7 +116,7 @@ class UringEngine(IOEngine):
             if threading.current_thread() is self._thread:  # from a completion callback: run it here
                 self._run_control()
                 return box[0] if box else None
-            _native.lib.tm_engine_kick(self._handle, 0)
+            self._core.kick(stop=False)
         while not done.wait(0.5):
             if not self._thread.is_alive():
                 raise OSError(errno.ESHUTDOWN, "the io_uring loop has stopped")
@@ -130,13 +128,12 @@ class UringEngine(IOEngine):
             if self.closed:
                 return
             self.closed = True
-            _native.lib.tm_engine_kick(self._handle, 1)
+            self._core.kick(stop=True)
         if threading.current_thread() is self._thread:
             raise OSError(errno.EDEADLK, "close() was called from an I/O completion callback; close the engine "
                           "from another thread")
         self._thread.join()
         self._core.close()
-        self._handle = None
 
     # -- the loop's side -----------------------------------------------------------------------
     def _run_control(self) -> None:
@@ -150,37 +147,28 @@ class UringEngine(IOEngine):
             finally:
                 done.set()
 
-    def _finish(self, d: Any) -> None:
-        future, file, op = self._live.pop(d.user_data)
-        res = d.res
+    def _finish(self, user_data: int, res: int, err_offset: int, err_len: int) -> None:
+        future, file, op = self._live.pop(user_data)
         if res == 0:
             future._chunk_done(None)
         elif res == _native.ERR_EOF:
-            future._chunk_done(past_end_error(file, d.err_len, d.err_offset))
+            future._chunk_done(past_end_error(file, err_len, err_offset))
         else:
-            future._chunk_done(transfer_error(file, op, -res, d.err_len, d.err_offset))
+            future._chunk_done(transfer_error(file, op, -res, err_len, err_offset))
 
     def _loop(self) -> None:
-        done = self._done
-        cap = len(done)
-        run = _native.lib.tm_engine_run
-        handle = self._handle
+        core = self._core
         try:
-            _native.check(_native.lib.tm_engine_start(handle), "io_uring_enable_rings")
-            while True:
-                got = run(handle, done, cap)
-                if got == -errno.ESHUTDOWN:
-                    return
-                _native.check(got, "io_uring")
-                for i in range(got):
-                    self._finish(done[i])
+            core.start()
+            while (finished := core.run()) is not None:
+                for done in finished:
+                    self._finish(*done)
                 if self._control:
                     self._run_control()
         except BaseException as exc:  # never leave a caller waiting forever
             log.exception("the io_uring loop failed")
-            _native.lib.tm_engine_kick(handle, 1)  # refuse new work from here on
+            core.kick(stop=True)  # refuse new work from here on
             for uid in list(self._live):  # the core has waited for the kernel to finish with their buffers
                 entry = self._live.pop(uid, None)
                 if entry is not None:
                     entry[0]._chunk_done(OSError(errno.EIO, f"io_uring loop failed: {exc}", entry[1].path))
-
