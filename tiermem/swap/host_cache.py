@@ -5,18 +5,21 @@ All host memory for partitions comes from one HostBufferPool of memory.host_budg
 once; saved activations (activations.tier: nvme) are partitions too, and hold at most activations.buffer
 of it (runtime/activations.py), in an arena of their own at the bottom of the pool: they come and go by
 the hundred per step, and mixed in with the rest they would split the room a unit's optimizer state needs
-in one piece. The other partitions share the rest: those kept for good (homed on host) from the top, the
-ones that come and go from the bottom. When a fetch needs room, the idle partitions of its arena whose
-home is NVMe are evicted, the one needed last first (the runtime knows the schedule; else the least
-recently used): dropped at once when their NVMe copy is current, written back first when dirty. A partition larger than
-the whole budget, or a budget full of partitions in use, raises BudgetError naming them.
+in one piece. The other partitions share the rest: those not homed on NVMe, and those kept resident
+(`keep_resident`), from the top, the ones that come and go from the bottom. When a fetch needs room, the
+idle partitions of its arena whose home is NVMe are evicted (`alloc`, in `_eviction_key`'s order): the
+one needed last first (the runtime knows the schedule; else the least recently used), those fetched ahead
+and not used yet only after the others, those kept resident last of all. A clean
+one is dropped at once, a dirty one written back first. A partition larger than the whole budget, or a
+budget full of partitions in use, raises BudgetError naming them.
 
 # [Note: swapper locking]
 One re-entrant lock (the swapper's) guards all partition states, the pool and the ledger. Completions of
 NVMe transfers arrive on the engine's thread and take the same lock to advance the partition's host state;
-they never touch device memory. Nothing blocks while holding the lock: a caller that must wait (for an
-eviction's write-back to free host memory, or for its own fetch) waits on a future after letting go of it,
-so waiting on one partition never stalls transfers of the others.
+they never touch device memory. Nothing waits for I/O while holding the lock: a caller that must wait
+(for an eviction's write-back to free host memory, or for its own fetch) waits on a future after letting go
+of it, so waiting on one partition never stalls transfers of the others. The one wait under the lock is
+`fill`'s copy of a partition homed on the device back to the host, a device copy, not I/O.
 """
 
 from __future__ import annotations
@@ -73,20 +76,20 @@ class HostCache:
 
     def __init__(self, config: Config, lock: threading.RLock, partitions: dict[str, Partition], ledger: Ledger,
                  pool: HostBufferPool, mover: DeviceMover, engine: IOEngine | None) -> None:
-        self.config = config
+        self.config = config  # the io.*, nvme.* and activations.* settings
         self.lock = lock  # the swapper's: see [Note: swapper locking]
         self.partitions = partitions  # the swapper's, by name
-        self.ledger = ledger
-        self.pool = pool
-        self.mover = mover  # for the host copy of a partition that lives on the device (home device)
+        self.ledger = ledger  # the swapper's: host bytes are charged as partitions take buffers
+        self.pool = pool  # all host memory for partitions; see [Note: host budget]
+        self.mover = mover  # copies a partition homed on the device back to the host; its device says whether to pin
         self._engine = engine  # made on first NVMe use unless given
         self.own_engine = engine is None  # close it on close() only if we made it
         # Registering the pool with the engine faults in (and pins) every page of it at once; `tiered_offload`
         # defers that until the model's own parameters are packed and freed, so the two never add up.
         self.defer_registration = False
-        self._pool_registered = False
+        self._pool_registered = False  # register_pool has handed the pool to the engine made here
         self._store: SwapStore | None = None  # made on first NVMe use
-        self.bytes_read = 0
+        self.bytes_read = 0  # counters for TensorSwapper.stats(), since its last reset
         self.bytes_written = 0
         self.evictions = 0
         self.tracer: Tracer | None = None  # records each read and write (see [Note: traces])
@@ -205,7 +208,7 @@ class HostCache:
                     f._chunk_done(error)
                 return
             self.bytes_read += part.size
-            part.host_state = HostState.READY
+            part.read_done()
             if self.on_read is not None:
                 self.on_read(part)
             self.complete_waiters(part)
@@ -227,7 +230,7 @@ class HostCache:
             raw = self.store.write(part.extent, part.host.view, nbytes)  # raises before any change
             if checksum is not None:
                 part.checksum = checksum
-            part.host_state = HostState.WRITING
+            part.write_started()
             part.free_after_write = free_after
             part.written_version = part.version
             # what callers wait on completes after _write_done has recorded the write, not when the bytes land
@@ -245,7 +248,7 @@ class HostCache:
         try:
             with self.lock:
                 part.pending = None
-                part.host_state = HostState.READY
+                part.write_done()
                 if error is not None:  # the host copy is still there and still dirty: nothing is lost
                     # logged as a string: the error object, once raised to waiters, holds their frames
                     log.error("write-back of partition %r failed: %s", part.name, str(error))

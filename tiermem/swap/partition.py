@@ -1,8 +1,9 @@
 """Partition: one flat, 4 KiB-aligned group of tensors with a home tier, and the transitions of its residency.
 
-The transitions here are the only code that changes where a partition's bytes are held, and each keeps
-the ledger as it goes (see [Note: residency] in state.py). The swapper calls them under its lock; other
-modules ask the swapper and never touch these fields.
+The transitions here are the only code that changes a partition's host and device states, and those that
+take memory or give it back keep the ledger as they go (see [Note: residency] in state.py). The swapper
+and its host cache call them under the swapper's lock; other modules ask the swapper and never touch
+these fields.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Partition:
         self.device_data: torch.Tensor | None = None  # separate device memory (CUDA, copying device); else None
         self.ready_event: object | None = None  # CUDA event of the last copy to the device, waited by compute
         self.extent: Extent | None = None  # where it rests on NVMe (home nvme only)
-        self.checksum: int | None = None  # crc32 written with the NVMe copy when nvme.checksum is on
+        self.checksum: int | None = None  # nvme.checksum: CRC-32 of the first `nbytes` last written, checked on reads
         self.dirty = False  # the host copy is newer than the NVMe copy (or there is no NVMe copy yet)
         self.dirty_end = 0  # while dirty: the bytes from the start that may differ; the rest equals the NVMe copy
         self.version = 0  # bumped on every change of the host copy; a write-back is current only if equal
@@ -63,7 +64,7 @@ class Partition:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of tensor data."""
+        """Bytes up to the end of the last tensor (`size` less the padding to 4 KiB)."""
         return self.layout.nbytes
 
     @property
@@ -100,6 +101,18 @@ class Partition:
         self.host = buf
         self.host_state = state
 
+    def read_done(self) -> None:
+        """READING -> READY: the read from NVMe has landed in the host buffer."""
+        self.host_state = HostState.READY
+
+    def write_started(self) -> None:
+        """READY -> WRITING: a write-back of the host buffer to NVMe is queued."""
+        self.host_state = HostState.WRITING
+
+    def write_done(self) -> None:
+        """WRITING -> READY: the write-back ended (failed or not, the host copy stays)."""
+        self.host_state = HostState.READY
+
     def detach_host(self, pool: HostBufferPool, ledger: Ledger) -> None:
         """Any -> NONE: the host buffer goes back to the pool; nothing when there is none."""
         if self.host is None:
@@ -122,6 +135,7 @@ class Partition:
         self.dirty = True
 
     def mark_clean(self) -> None:
+        """Nothing to write back: a write of the current host copy has landed, or the contents were discarded."""
         self.dirty = False
         self.dirty_end = 0
 
@@ -143,7 +157,8 @@ class Partition:
         self.device_state = DeviceState.COPYING
 
     def commit_device(self, data: torch.Tensor | None, event: object | None) -> None:
-        """COPYING -> READY with the device memory made for it (None: the host buffer serves as device)."""
+        """COPYING -> READY with the device memory made for it (None: the host buffer serves as device), once
+        the copy has started; `event` marks its end (CUDA), and compute waits on it."""
         if self.device_state is not DeviceState.COPYING:
             raise StateError(f"partition {self.name!r} is {self.state.value}, not copying to the device")
         self.device_data = data
