@@ -17,19 +17,22 @@ class LedgerSnapshot:
 
     now: dict[str, int]
     peak: dict[str, int]
-    budget: dict[str, int | None]
 
 
 class Ledger:
-    """Counts bytes held per tier. Going over a budget is a bug in the caller, so it raises."""
+    """Counts bytes held per tier. A charge past a tier's budget raises BudgetError and is not made: callers
+    make room first, so it reaches the user only when no room can be made."""
 
     def __init__(self, *, host_budget: int | None = None, device_budget: int | None = None) -> None:
         self._lock = threading.Lock()
+        # the most each tier may hold (None: no limit); the device's is memory.device_budget only, not a cap
+        # the runtime derives (see [Note: device budget] in swapper.py)
         self.budget: dict[str, int | None] = {"device": device_budget, "host": host_budget, "nvme": None}
         self._now = dict.fromkeys(TIERS, 0)  # bytes held now
         self._peak = dict.fromkeys(TIERS, 0)  # most bytes held since the last reset
 
     def add(self, tier: str, nbytes: int, what: str = "") -> None:
+        """Charge `nbytes` to `tier`; BudgetError naming `what` when that passes the tier's budget."""
         with self._lock:
             total = self._now[tier] + nbytes
             limit = self.budget[tier]
@@ -40,17 +43,20 @@ class Ledger:
             self._peak[tier] = max(self._peak[tier], total)
 
     def sub(self, tier: str, nbytes: int) -> None:
+        """Take back a charge made by `add`."""
         with self._lock:
             self._now[tier] -= nbytes
             if self._now[tier] < 0:
                 raise AssertionError(f"ledger for {tier} went negative")
 
     def now(self, tier: str) -> int:
+        """Bytes `tier` holds now."""
         return self._now[tier]
 
     def snapshot(self) -> LedgerSnapshot:
+        """Bytes per tier now and at peak, copied under the lock."""
         with self._lock:
-            return LedgerSnapshot(dict(self._now), dict(self._peak), dict(self.budget))
+            return LedgerSnapshot(dict(self._now), dict(self._peak))
 
     def reset_peaks(self) -> None:
         """Start a new measuring window: peaks restart from what is held now."""
