@@ -346,7 +346,8 @@ class NvmeConfig:
     """Bytes written to one directory before moving to the next; a multiple of 4 KiB."""
 
     checksum: bool = False
-    """Write a checksum with every block and verify it on every read."""
+    """One CRC-32 per partition, taken over its bytes (up to the end of its last tensor) each time it is
+    written back and kept in memory, not in the swap files; every read of it is checked against it."""
 
     keep_files: bool = False
     """Leave swap files in place on exit (for inspection) instead of deleting them."""
@@ -373,7 +374,8 @@ class MemoryConfig:
     SECTION: ClassVar[str] = "memory"
 
     host_budget: int = field(default=4 * 1024**3, metadata=_BYTES)
-    """Pinned/aligned host bytes tiermem may hold, every tier's buffers included."""
+    """Host bytes tiermem holds: one pool, mapped at start (pinned with CUDA), that every partition's host
+    copy comes from (parameters, gradients, optimizer state, saved activations and staging buffers)."""
 
     device_budget: int | None = field(default=None, metadata=_BYTES)
     """Cap on the device working set in bytes; None derives it from the prefetch settings."""
@@ -448,8 +450,8 @@ class IOConfig:
     """Backend: ``io_uring``, ``threads``, or ``auto`` (io_uring when available, else threads)."""
 
     block_size: int = field(default=1024**2, metadata=_BYTES)
-    """Bytes per read/write request; a multiple of 4 KiB. Each in-flight request holds one
-    pinned buffer of this size."""
+    """Bytes per read/write request: a transfer is split into requests of at most this size, each
+    into or from its own piece of the host pool (no extra buffer); a multiple of 4 KiB."""
 
     queue_depth: int = 32
     """Requests kept in flight at once, 1 to 4096."""
