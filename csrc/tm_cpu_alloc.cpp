@@ -1,21 +1,12 @@
 // tiermem's CPU allocator for PyTorch: the same 64-byte aligned memory as c10's default allocator, taken
-// with plain malloc instead of posix_memalign.
+// with plain malloc instead of posix_memalign. Why: see [Note: the CPU allocator] in tiermem/memory.py,
+// which also builds this file at run time against the installed torch's headers; the C interface at the
+// end is what it calls through ctypes.
 //
-// Why: glibc serves posix_memalign(64, n) by carving an aligned chunk of exactly n bytes out of a larger
-// free chunk and giving back the pieces before and after it. A freed tensor then leaves a hole of exactly
-// n bytes, which the next aligned request of the same size cannot use (it asks for n plus the alignment),
-// and the small pieces around it are taken by small long-lived allocations (autograd's graph nodes), so
-// holes never merge. On the CPU, where the compute's tensors come and go in the same heap, the heap then
-// grows by each layer's temporaries in the first step, and its free holes stay resident (tiermem's
-// bench/train_heap.py measures this). malloc(n + 80) asks for the same size every time the same tensor
-// comes back, so a freed hole fits it again.
-//
-// Each block is [pad][raw pointer][size][data, 64-byte aligned]: the data pointer is also the context, so
-// the raw allocate/deallocate interface works, and the deleter finds the raw pointer and size in front.
-// Allocations and frees are reported to PyTorch's memory profiler as the default allocator reports them.
-//
-// Built at run time against the installed torch's headers (tiermem/memory.py); the C interface below is
-// what Python calls through ctypes.
+// Each block is [pad][raw pointer][size][data, 64-byte aligned], taken with malloc(n + 80): the data
+// pointer is also the context, so the raw allocate/deallocate interface works, and the deleter finds the
+// raw pointer and size in front. Allocations and frees are reported to PyTorch's memory profiler as the
+// default allocator reports them.
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -30,7 +21,7 @@ namespace {
 
 constexpr std::size_t kAlignment = 64;                          // c10's gAlignment on x86-64 servers
 constexpr std::size_t kHeader = 2 * sizeof(std::size_t);        // raw pointer and size, just before the data
-constexpr std::size_t kSlack = kHeader + kAlignment;            // the most malloc's 16-byte alignment can need
+constexpr std::size_t kSlack = kHeader + kAlignment;            // the header plus up to 63 bytes to align: 80
 
 std::atomic<std::size_t> g_live_bytes{0};   // bytes handed out and not yet freed
 

@@ -8,18 +8,19 @@ leaves a hole that the next request of the same size cannot use (it asks for the
 small pieces beside the hole are taken by long-lived small allocations (autograd's graph nodes), so holes do
 not merge. The heap then grows by every layer's temporaries in the first step, and the holes stay
 resident: measured with bench/train_heap.py on the training bench's GPT-2 (with activations on NVMe), the
-heap held 434 MiB of which 155 MiB were in use, and RSS peaked 250 MiB above what the same steps need with
-the allocator below.
+heap held 434 MiB after three steps, of which 155 MiB were in use, and the steps peaked at 1279-1323 MiB
+of RSS against 1064-1072 MiB with the allocator below (docs/benchmarks.md).
 
 ``memory.cpu_allocator: auto`` (the default) therefore makes PyTorch's CPU allocator, for the time of the
 context, one that takes the same 64-byte aligned memory with plain malloc of the size plus 80 bytes
-(csrc/tm_cpu_alloc.cpp): the same tensor coming back asks for the same size, and a freed hole fits it.
-With it, glibc's trim and mmap thresholds are fixed (see `_tune_glibc`), so that a step's temporaries
-stay resident for the next step instead of being given back and faulted in again.
-It is C++ against the installed torch's headers, so it is built at first use with the system's C++
-compiler and cached (see `_cache_dir`); ``auto`` falls back to PyTorch's allocator, with a warning, when
-it cannot be built, and ``tiermem`` makes that an error. Tensors keep the deleter of the allocator that
-made them, so switching back at exit frees everything correctly.
+(csrc/tm_cpu_alloc.cpp, whose header comment gives the block layout): the same tensor coming back asks
+for the same size, and a freed hole fits it. With it, glibc's trim and mmap thresholds are fixed for the
+rest of the process (see `_tune_glibc`), so that a step's temporaries stay resident for the next step
+instead of being given back and faulted in again. It is C++ against the installed torch's headers, so it
+is built at first use with the system's C++ compiler and cached (see `_cache_dir`); ``auto`` falls back
+to PyTorch's allocator, with a warning, when it cannot be built, and ``tiermem`` makes that an error.
+Tensors keep the deleter of the allocator that made them, so putting PyTorch's back when the last
+context using tiermem's exits frees everything correctly.
 
 `trim()` asks glibc to return freed heap memory (malloc_trim); it is cheap when there is little to give
 back, and a no-op where glibc is absent.
