@@ -3,11 +3,11 @@
 # [Note: copying test device]
 A CPU-only machine cannot show the bugs that come from confusing device and host memory, since they are
 the same memory there. `copying_device()` (a test fixture's switch, not a user setting) makes every
-swapper whose device is the CPU use `CopyingMover` (swap/transfers.py): a unit's bytes are copied into a
-separate tensor per transfer, made by `copy_device_empty`, whose memory is counted while it is alive (its
-owner goes with the last view of it). A test can then compare the ledger's device bytes with the bytes
-really alive, and `check_host` (called where only host memory may go: the optimizer's update, the I/O
-engine, checkpoints) raises when a device tensor arrives there, as CUDA's device mismatch would.
+swapper whose device is the CPU use `CopyingMover` (swap/transfers.py): a partition's bytes are copied
+into a separate tensor per transfer, made by `copy_device_empty`, whose memory is counted while it is
+alive (its owner goes with the last view of it). A test can then compare the ledger's device bytes with
+the bytes really alive, and `check_host` (called where only host memory may go: the optimizer's update,
+the I/O engine, checkpoints) raises when a device tensor arrives there, as CUDA's device mismatch would.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class CopyingDevice:
         self._lock = threading.Lock()
         self.enabled = 0  # nesting of copying_device(); swappers made while > 0 copy
         self.live: dict[int, int] = {}  # storage address -> bytes, of every live device allocation
-        self.live_bytes = 0
-        self.peak_bytes = 0
+        self.live_bytes = 0  # the sum of `live`: what a test compares with the ledger's device bytes
+        self.peak_bytes = 0  # the most `live_bytes` since reset_peak()
 
     def added(self, block: _Block) -> None:
         with self._lock:
