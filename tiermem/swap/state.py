@@ -27,9 +27,9 @@ then allocates and starts the copy without the lock (TensorSwapper._to_device). 
 window: the host buffer it copies from is neither evicted (HostCache.alloc) nor dropped after a write
 (HostCache._write_done). commit_device enters READY as soon as the copy has started: on CUDA it may
 still run on the side stream, and `ready_event` orders the compute stream after it (see [Note: device
-copies] in transfers.py). On the CPU compute device nothing is copied: reserve and commit happen under
-one hold of the lock (there is no COPYING to see), and device READY means the host buffer is also
-counted as the device working set.
+copies] in transfers.py). On the CPU compute device nothing is allocated or copied: COPYING lasts from
+reserve to commit and no longer, and device READY means the host buffer is also counted as the device
+working set.
 
 The NVMe copy is the extent (home nvme), current unless `dirty`. Every state but NONE holds memory of
 its kind and is charged to the ledger by the transition that enters it from NONE (attach_host,
