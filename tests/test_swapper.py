@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import zlib
 
 import pytest
 import torch
@@ -236,6 +237,39 @@ def test_checksum_detects_a_changed_swap_file(tmp_path) -> None:
         with pytest.raises(CorruptDataError, match="'ck'.*checksum"):
             sw.acquire(part)
         assert part.state is Residency.NVME and sw.stats().ledger.now["host"] == 0
+
+
+def test_checksum_is_one_per_partition_over_its_bytes(tmp_path) -> None:
+    """nvme.checksum takes one CRC-32 of a partition's bytes up to its last tensor's end at each write-back;
+    the padding after it is not covered."""
+    with _swapper(tmp_path, **{"nvme.checksum": True}) as sw:
+        part = sw.add("ck", {"x": torch.arange(1000, dtype=torch.float32)})
+        sw.evict(part).wait()
+        assert part.size > part.nbytes  # 4000 bytes of data in a 4 KiB extent
+        swap = os.path.join(sw.store.run_dirs[0], "swap.bin")
+        assert part.extent is not None
+        with open(swap, "r+b") as f:
+            f.seek(part.extent.start)
+            on_disk = f.read(part.size)
+            assert part.checksum == zlib.crc32(on_disk[: part.nbytes])
+            f.seek(part.extent.start + part.nbytes)
+            f.write(b"\xff" * (part.size - part.nbytes))  # the padding: not checked
+        assert torch.equal(sw.acquire(part, "host")["x"], torch.arange(1000, dtype=torch.float32))
+        sw.release(part)
+
+
+def test_a_write_back_returns_to_host(tmp_path) -> None:
+    """A write-back's end leaves the partition on host: flush keeps it cached and clean, and an eviction's
+    write then drops it ([Note: residency])."""
+    with _swapper(tmp_path) as sw:
+        part = sw.add("w", {"x": torch.randn(10_000)})
+        assert part.dirty
+        sw.flush()
+        assert part.state is Residency.HOST and not part.dirty and part.host is not None
+        sw.acquire(part, "host")["x"].add_(1)
+        sw.release(part, dirty=True)
+        sw.evict(part).wait()
+        assert part.state is Residency.NVME and not part.dirty and sw.stats().ledger.now["host"] == 0
 
 
 def test_stats_and_reset(tmp_path) -> None:
