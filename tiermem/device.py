@@ -2,12 +2,13 @@
 
 # [Note: copying test device]
 A CPU-only machine cannot show the bugs that come from confusing device and host memory, since they are
-the same memory there. `copying_device()` (a test fixture's switch, not a user setting) makes every
-swapper whose device is the CPU use `CopyingMover` (swap/transfers.py): a partition's bytes are copied
-into a separate tensor per transfer, made by `copy_device_empty`, whose memory is counted while it is
-alive (its owner goes with the last view of it). A test can then compare the ledger's device bytes with
-the bytes really alive, and `check_host` (called where only host memory may go: the optimizer's update,
-the I/O engine, checkpoints) raises when a device tensor arrives there, as CUDA's device mismatch would.
+the same memory there. `copying_device()` (a switch for the tests and bench/gpu_check.py, not a user
+setting) makes every swapper whose device is the CPU use `CopyingMover` (swap/transfers.py): a
+partition's bytes are copied into a separate tensor per transfer, made by `copy_device_empty`, whose
+memory is counted while it is alive (its owner goes with the last view of it). A test can then compare
+the ledger's device bytes with the bytes really alive, and `check_host` (called where only host memory
+may go: the optimizer's update, the I/O engine, checkpoints) raises when a device tensor arrives there,
+as CUDA's device mismatch would.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def copying_device_state() -> CopyingDevice:
 
 @contextmanager
 def copying_device() -> Iterator[CopyingDevice]:
-    """While open, swappers made for the CPU compute device copy into tracked tensors (a test fixture's
-    switch; see [Note: copying test device])."""
+    """While open, swappers made for the CPU compute device copy into tracked tensors (for tests and
+    bench/gpu_check.py; see [Note: copying test device])."""
     _DEVICE.enabled += 1
     try:
         yield _DEVICE
