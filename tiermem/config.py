@@ -315,7 +315,8 @@ class ActivationsConfig:
     (written to swap as forward makes them, read back ahead of backward's use, newest first)."""
 
     min_bytes: int = field(default=256 * 1024, metadata=_BYTES)
-    """Saved tensors smaller than this stay in memory (with ``tier: nvme``)."""
+    """Saved tensors whose storage is smaller than this stay in memory (with ``tier: nvme``), as do views of
+    less than a quarter of their storage."""
 
     buffer: int = field(default=64 * 1024**2, metadata=_BYTES)
     """The most host memory saved activations hold in the host cache at once (with ``tier: nvme``); part of
