@@ -14,14 +14,26 @@
 
 #define WAKE_ID UINT64_MAX /* user_data of the eventfd read that wakes a sleeping loop */
 
-/* A transfer inside the core. */
+struct request;
+
+/* A piece inside the core; it lives in its request's allocation. */
 struct node {
     struct tm_xfer x;
+    struct request *req;
+    uint32_t index;       /* its place in the request, for tm_done.err_index */
     uint64_t issued;      /* bytes handed to chunks so far */
     unsigned outstanding; /* chunks handed out and not finished */
-    int32_t err;          /* first failure, 0 while none */
-    uint64_t err_offset, err_len;
     struct node *next;
+};
+
+/* A request: its pieces, reported together once the last one has finished. One allocation. */
+struct request {
+    uint64_t user_data;
+    unsigned left; /* pieces neither finished nor dropped; the request is freed at 0 */
+    int32_t err;   /* first failure, 0 while none */
+    uint32_t err_index;
+    uint64_t err_offset, err_len;
+    struct node nodes[];
 };
 
 /* A chunk in the ring (or waiting to be resubmitted); its index is the SQE's user_data. */
@@ -35,7 +47,7 @@ struct tm_engine {
     struct io_uring ring;
     pthread_mutex_t lock;
     /* shared with the threads that enqueue; under `lock` */
-    struct node *head, *tail; /* transfers with bytes not yet handed to a chunk, in arrival order */
+    struct node *head, *tail; /* pieces with bytes not yet handed to a chunk, in arrival order */
     int sleeping, kicked, stopping;
     unsigned used; /* slots holding a chunk; atomic, read by callers to decide whether to wake */
     /* the loop thread's own */
@@ -50,18 +62,20 @@ struct tm_engine {
     uint64_t wake_buf;
     uint64_t (*fixed)[2]; /* [start, end) of each registered buffer, by index */
     unsigned nfixed;
-    struct tm_done *done; /* finished transfers not yet returned by tm_engine_run */
+    struct tm_done *done; /* finished requests not yet returned by tm_engine_run */
     unsigned ndone, done_cap;
     uint64_t stats[TM_NSTATS];
 };
 
+/* Drop the pieces still queued at close; a request goes when its last piece does. */
 static void free_nodes(struct node *n)
 {
     struct node *next;
 
     for (; n; n = next) {
         next = n->next;
-        free(n);
+        if (--n->req->left == 0)
+            free(n->req);
     }
 }
 
@@ -171,41 +185,42 @@ int tm_engine_start(struct tm_engine *e)
     return 0;
 }
 
-/* Queue transfers from any thread. The loop is woken only when it sleeps on a ring under half full:
- * with more in flight, its next completions wake it soon enough, and a wake costs a system call and two
- * context switches. */
-int tm_engine_enqueue(struct tm_engine *e, const struct tm_xfer *xfers, unsigned n)
+/* Queue one request of n pieces from any thread. The loop is woken only when it sleeps on a ring under
+ * half full: with more in flight, its next completions wake it soon enough, and a wake costs a system
+ * call and two context switches. */
+int tm_engine_enqueue(struct tm_engine *e, uint64_t user_data, const struct tm_xfer *xfers, unsigned n)
 {
-    struct node *first = NULL, *last = NULL, *node;
+    struct request *r;
     unsigned i, half = e->qd / 2 ? e->qd / 2 : 1;
     int wake;
 
+    if (!n)
+        return -EINVAL;
+    for (i = 0; i < n; i++)
+        if (!xfers[i].len)
+            return -EINVAL; /* a piece that moves nothing would never finish */
+    r = calloc(1, sizeof(*r) + n * sizeof(r->nodes[0]));
+    if (!r)
+        return -ENOMEM;
+    r->user_data = user_data;
+    r->left = n;
     for (i = 0; i < n; i++) {
-        node = calloc(1, sizeof(*node));
-        if (!node) {
-            free_nodes(first);
-            return -ENOMEM;
-        }
-        node->x = xfers[i];
-        if (last)
-            last->next = node;
-        else
-            first = node;
-        last = node;
+        r->nodes[i].x = xfers[i];
+        r->nodes[i].req = r;
+        r->nodes[i].index = i;
+        r->nodes[i].next = i + 1 < n ? &r->nodes[i + 1] : NULL;
     }
-    if (!first)
-        return 0;
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
         pthread_mutex_unlock(&e->lock);
-        free_nodes(first);
+        free(r);
         return -ESHUTDOWN;
     }
     if (e->tail)
-        e->tail->next = first;
+        e->tail->next = &r->nodes[0];
     else
-        e->head = first;
-    e->tail = last;
+        e->head = &r->nodes[0];
+    e->tail = &r->nodes[n - 1];
     wake = e->sleeping && used_now(e) < half;
     if (wake)
         e->sleeping = 0;
@@ -424,11 +439,11 @@ static int drain_and_fail(struct tm_engine *e, int err)
         else
             finish_chunk(e, (unsigned)ud, ret < 0 ? ret : 0);
     }
-    e->ndone = 0; /* the caller fails every live transfer */
+    e->ndone = 0; /* the caller fails every live request */
     return err;
 }
 
-static int push_done(struct tm_engine *e, struct node *n)
+static int push_done(struct tm_engine *e, struct request *r)
 {
     struct tm_done *d;
 
@@ -440,12 +455,12 @@ static int push_done(struct tm_engine *e, struct node *n)
         e->done_cap *= 2;
     }
     d = &e->done[e->ndone++];
-    d->user_data = n->x.user_data;
-    d->res = n->err;
-    d->pad = 0;
-    d->err_offset = n->err_offset;
-    d->err_len = n->err_len;
-    free(n);
+    d->user_data = r->user_data;
+    d->res = r->err;
+    d->err_index = r->err_index;
+    d->err_offset = r->err_offset;
+    d->err_len = r->err_len;
+    free(r);
     return 0;
 }
 
@@ -453,17 +468,19 @@ static int finish_chunk(struct tm_engine *e, unsigned id, int32_t err)
 {
     struct slot *s = &e->slots[id];
     struct node *n = s->n;
+    struct request *r = n->req;
 
-    if (err && !n->err) {
-        n->err = err;
-        n->err_offset = s->offset;
-        n->err_len = s->len;
+    if (err && !r->err) {
+        r->err = err;
+        r->err_index = n->index;
+        r->err_offset = s->offset;
+        r->err_len = s->len;
     }
     s->n = NULL;
     e->free_ids[e->nfree++] = id;
     __atomic_sub_fetch(&e->used, 1, __ATOMIC_RELAXED);
-    if (--n->outstanding == 0 && n->issued == n->x.len)
-        return push_done(e, n);
+    if (--n->outstanding == 0 && n->issued == n->x.len && --r->left == 0)
+        return push_done(e, r);
     return 0;
 }
 
@@ -508,7 +525,7 @@ static unsigned take_done(struct tm_engine *e, struct tm_done *out, unsigned max
     return k;
 }
 
-/* The loop's body (called with the GIL released): keep the ring full, and return finished transfers
+/* The loop's body (called with the GIL released): keep the ring full, and return finished requests
  * (how many were copied to `out`), 0 after tm_engine_kick, or -ESHUTDOWN once stopped and drained.
  * With many chunks in flight it waits for an eighth of them before refilling, so each submit carries
  * several chunks while the ring stays at least 7/8 full. */

@@ -1,11 +1,12 @@
 /*
  * tiermem's native core: an io_uring transfer pipeline over liburing.
  *
- * Python hands over whole transfers (a buffer, a file, an offset, a length). The core splits each one
+ * Python hands over whole requests: one or more pieces, each a buffer range, a file, an offset and a length
+ * (a partition striped over several drives is one request of many pieces). The core splits each piece
  * into block-size chunks, keeps at most `queue_depth` chunks in the ring, resubmits short and
- * -EAGAIN/-EINTR chunks, and reports a transfer once, when its last chunk has finished. So the cost
- * that Python pays is per transfer, and the per-chunk work (the part that tracks the request count,
- * like fio's) stays in C. See [Note: the ring loop] in tiermem/io/uring.py for the threading.
+ * -EAGAIN/-EINTR chunks, and reports a request once, when the last chunk of its last piece has finished.
+ * So the cost that Python pays is per request, and the per-chunk work (the part that tracks the request
+ * count, like fio's) stays in C. See [Note: the ring loop] in tiermem/io/uring.py for the threading.
  *
  * Every function returns 0 (or a count) on success and a negative errno on failure.
  */
@@ -30,10 +31,9 @@
 
 struct tm_engine;
 
-/* One transfer. Chunks whose address, offset and length are all multiples of `align` go to `fd`
- * (O_DIRECT); the others (odd tails, unaligned buffers) go to `buffered_fd`. align 0: always `fd`. */
+/* One piece of a request. Chunks whose address, offset and length are all multiples of `align` go to
+ * `fd` (O_DIRECT); the others (odd tails, unaligned buffers) go to `buffered_fd`. align 0: always `fd`. */
 struct tm_xfer {
-    uint64_t user_data;
     uint64_t addr;
     uint64_t offset;
     uint64_t len;
@@ -43,12 +43,12 @@ struct tm_xfer {
     uint32_t align;
 };
 
-/* A finished transfer. res: 0, a negative errno, or TM_ERR_EOF. On failure err_offset/err_len
- * describe the first chunk that failed (its file offset and the bytes it still had to move). */
+/* A finished request. res: 0, a negative errno, or TM_ERR_EOF. On failure err_index is the piece and
+ * err_offset/err_len the first chunk that failed (its file offset and the bytes it still had to move). */
 struct tm_done {
     uint64_t user_data;
     int32_t res;
-    uint32_t pad;
+    uint32_t err_index;
     uint64_t err_offset;
     uint64_t err_len;
 };
@@ -57,7 +57,7 @@ int tm_engine_open(unsigned queue_depth, uint32_t block_size, int sqpoll, unsign
                    struct tm_engine **out);
 void tm_engine_close(struct tm_engine *eng);
 int tm_engine_start(struct tm_engine *eng);
-int tm_engine_enqueue(struct tm_engine *eng, const struct tm_xfer *xfers, unsigned n);
+int tm_engine_enqueue(struct tm_engine *eng, uint64_t user_data, const struct tm_xfer *xfers, unsigned n);
 int tm_engine_run(struct tm_engine *eng, struct tm_done *out, unsigned max);
 void tm_engine_kick(struct tm_engine *eng, int stop);
 int tm_engine_register_buffers(struct tm_engine *eng, const uint64_t *addrs, const uint64_t *lens, unsigned n);

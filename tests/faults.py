@@ -1,6 +1,7 @@
 """A fault-injecting I/O engine for the fault tests (a test tool, not a user setting): a real engine that
-fails chosen transfers the way a failing or full disk would, with the errno the kernel would give, or
-moves only part of their bytes (a short transfer the engine could not complete)."""
+fails chosen transfers (requests: a store's read or write of a partition is one) the way a failing or full
+disk would, with the errno the kernel would give, or moves only part of their bytes (a short transfer the
+engine could not complete)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import os
 import threading
 from typing import Any
 
-from tiermem.io.engine import OP_READ, OP_WRITE, IOEngine
-from tiermem.io.files import IOFile
+from tiermem.io.engine import OP_READ, OP_WRITE, IOEngine, Piece
 from tiermem.io.future import IOFuture
 
 OPS = {"read": OP_READ, "write": OP_WRITE}
@@ -43,28 +43,35 @@ class FaultyEngine(IOEngine):
         with self._lock:
             self._plan.clear()
 
-    def _start(self, op: int, file: IOFile, view: memoryview, address: int, nbytes: int, offset: int) -> IOFuture:
+    def _start(self, op: int, view: memoryview, address: int, pieces: list[Piece]) -> IOFuture:
         with self._lock:
             self._seen[op] += 1
             plan = self._plan.get(op)
             hit = plan is not None and (plan[0] is None or self._seen[op] in plan[0])
             if hit:
                 self.failed[op] += 1
-        if hit:
-            assert plan is not None
-            fut = IOFuture(nbytes, 1)
-            if plan[1] == SHORT:
-                half = max(nbytes // 2 // 4096 * 4096, 0)
-                moved = self.inner._start(op, file, view, address, half, offset) if half else None
-                error: OSError = OSError(errno.EIO, f"short transfer: {half} of {nbytes} bytes", file.path)
-                if moved is None:
-                    fut._chunk_done(error)
-                else:
-                    moved.add_done_callback(lambda f: fut._chunk_done(f.exception() or error))
-            else:
-                fut._chunk_done(OSError(plan[1], os.strerror(plan[1]), file.path))
+        if not hit:
+            return self.inner._start(op, view, address, pieces)
+        assert plan is not None
+        nbytes = sum(p.length for p in pieces)
+        fut = IOFuture(nbytes, 1)
+        path = pieces[0].file.path
+        if plan[1] != SHORT:
+            fut._chunk_done(OSError(plan[1], os.strerror(plan[1]), path))
             return fut
-        return self.inner._start(op, file, view, address, nbytes, offset)
+        half = nbytes // 2 // 4096 * 4096
+        error = OSError(errno.EIO, f"short transfer: {half} of {nbytes} bytes", path)
+        moving, left = [], half  # the first `half` bytes of the request, piece by piece
+        for p in pieces:
+            if left > 0:
+                moving.append(p._replace(length=min(p.length, left)))
+                left -= moving[-1].length
+        if not moving:
+            fut._chunk_done(error)
+        else:
+            moved = self.inner._start(op, view, address, moving)
+            moved.add_done_callback(lambda f: fut._chunk_done(f.exception() or error))
+        return fut
 
     def register_buffers(self, regions: list[tuple[int, int]]) -> bool:
         return self.inner.register_buffers(regions)

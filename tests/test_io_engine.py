@@ -18,7 +18,7 @@ from tiermem.errors import IOEngineError
 from tiermem.io import backends as backends_mod
 from tiermem.io.backends import available_backends, create_engine
 from tiermem.io.buffers import AlignedBuffer
-from tiermem.io.engine import IOEngine, ReadPastEndError
+from tiermem.io.engine import IOEngine, Piece, ReadPastEndError
 from tiermem.io.files import IOFile
 
 SIZES = [1, 511, 4096, 4097, 65536, 65536 * 3 + 123, 1 << 20, (1 << 20) + 4095]
@@ -236,6 +236,29 @@ def test_write_to_read_only_file_names_the_file(engine: IOEngine, tmp_path) -> N
             engine.write(f, bytearray(4096)).wait()
     assert info.value.filename == str(tmp_path / "ro.bin")
     assert "write of 4096 bytes at offset 0" in str(info.value)
+
+
+def test_a_request_of_pieces_in_several_files_is_one_future(engine: IOEngine, tmp_path) -> None:
+    """read_pieces/write_pieces move pieces of one buffer to and from several files (odd sizes, unaligned
+    places) and complete one future carrying the request's byte count."""
+    data = _random(300_000, 7)
+    with IOFile(tmp_path / "a.bin", "rw") as a, IOFile(tmp_path / "b.bin", "rw") as b:
+        pieces = [Piece(a, 0, 100_000, 0), Piece(b, 8192, 150_001, 100_000), Piece(a, 1 << 20, 49_999, 250_001)]
+        assert engine.write_pieces(data, pieces).wait() == 300_000
+        out = np.zeros_like(data)
+        assert engine.read_pieces(out, pieces).wait() == 300_000
+        assert np.array_equal(out, data)
+        assert engine.read_pieces(out, []).wait() == 0
+
+
+def test_a_failed_piece_names_its_own_file_and_offset(engine: IOEngine, tmp_path) -> None:
+    """In a request over two files, the error of the piece that failed names that file and its offset."""
+    (tmp_path / "ro.bin").write_bytes(b"\0" * 16384)
+    with IOFile(tmp_path / "rw.bin", "rw") as good, IOFile(tmp_path / "ro.bin", "r") as bad:
+        with pytest.raises(OSError) as info:
+            engine.write_pieces(bytearray(16384), [Piece(good, 0, 8192, 0), Piece(bad, 4096, 8192, 8192)]).wait()
+    assert info.value.filename == str(tmp_path / "ro.bin")
+    assert "write of 8192 bytes at offset 4096" in str(info.value)
 
 
 def test_queue_beyond_depth_waits_instead_of_failing(tmp_path) -> None:

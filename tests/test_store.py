@@ -17,7 +17,8 @@ import pytest
 
 from tiermem.errors import StoreError
 from tiermem.io.buffers import AlignedBuffer
-from tiermem.io.engine import IOEngine
+from tiermem.io.engine import IOEngine, Piece
+from tiermem.io.future import IOFuture
 from tiermem.store import SwapStore
 from tiermem.store.store import OWNER_FILE, RUN_PREFIX, SWAP_FILE
 
@@ -92,6 +93,30 @@ def test_striping_puts_alternate_chunks_on_each_directory(engine: IOEngine, tmp_
         part = np.zeros(3 * stripe, dtype=np.uint8)
         store.read(ext, part, len(part), offset=stripe // 2).wait()  # a range across three chunks
         assert np.array_equal(part, data[stripe // 2:stripe // 2 + len(part)])
+
+
+def test_a_striped_read_or_write_is_one_engine_request(engine: IOEngine, tmp_path, monkeypatch) -> None:
+    """A range striped over three directories goes to the engine as one request of many pieces (one future),
+    each piece in its directory's file."""
+    dirs = [str(tmp_path / d) for d in "abc"]
+    stripe = 64 << 10
+    requests: list[list[Piece]] = []
+    real_start = engine._start
+
+    def counting_start(op: int, view: memoryview, address: int, pieces: list[Piece]) -> IOFuture:
+        requests.append(pieces)
+        return real_start(op, view, address, pieces)
+
+    monkeypatch.setattr(engine, "_start", counting_start)
+    with SwapStore(dirs, engine, stripe_size=stripe) as store:
+        data = _random(10 * stripe + 123, 9)
+        ext = store.allocate(len(data))
+        store.write(ext, data).wait()
+        out = np.zeros_like(data)
+        store.read(ext, out).wait()
+        assert np.array_equal(out, data)
+        assert len(requests) == 2 and all(len(r) == 11 for r in requests)
+        assert {p.file.path for p in requests[0]} == {f.path for f in store.files}
 
 
 def test_run_directory_is_private_and_removed_on_close(engine: IOEngine, tmp_path) -> None:

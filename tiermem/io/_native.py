@@ -20,6 +20,12 @@ OP_READ = 0
 OP_WRITE = 1
 ERR_EOF = 1  # tm_done.res of a read that reached the end of the file
 
+# struct tm_xfer, one piece: (address, file offset, length, fd, buffered fd, op, alignment for the direct fd)
+Xfer = tuple[int, int, int, int, int, int, int]
+# struct tm_done, one finished request: (user_data, res: 0, -errno or ERR_EOF, index of the failed piece,
+# file offset and bytes left of its first failed chunk)
+Done = tuple[int, int, int, int, int]
+
 
 def check(ret: int, what: str, path: str | None = None) -> int:
     """Return `ret` when it is >= 0, else raise OSError(errno, strerror, path) for the negative errno."""
@@ -67,20 +73,19 @@ class NativeEngine:
         """First thing on the loop's thread: makes that thread the ring's one issuer."""
         check(lib.tm_engine_start(self.handle), "io_uring_enable_rings")
 
-    def enqueue(self, user_data: int, op: int, fd: int, buffered_fd: int, align: int, address: int, offset: int,
-                nbytes: int, path: str) -> None:
-        """Queue one transfer (any thread); `run` reports it under `user_data`."""
-        xfer = ffi.new("struct tm_xfer *", (user_data, address, offset, nbytes, fd, buffered_fd, op, align))
-        check(lib.tm_engine_enqueue(self.handle, xfer, 1), "cannot queue the transfer", path)
+    def enqueue(self, user_data: int, xfers: list[Xfer], path: str) -> None:
+        """Queue one request of pieces (any thread); `run` reports it once, under `user_data`."""
+        check(lib.tm_engine_enqueue(self.handle, user_data, ffi.new("struct tm_xfer[]", xfers), len(xfers)),
+              "cannot queue the transfer", path)
 
-    def run(self) -> list[tuple[int, int, int, int]] | None:
-        """Block (GIL released) until transfers finish; their (user_data, res, err_offset, err_len), [] after a
-        kick, None once stopped and drained. res is 0, a negative errno or ERR_EOF."""
+    def run(self) -> list[Done] | None:
+        """Block (GIL released) until requests finish and return them, [] after a kick, None once stopped and
+        drained."""
         got = lib.tm_engine_run(self.handle, self._done, len(self._done))
         if got == -errno.ESHUTDOWN:
             return None
         check(got, "io_uring")
-        return [(d.user_data, d.res, d.err_offset, d.err_len) for d in self._done[0:got]]
+        return [(d.user_data, d.res, d.err_index, d.err_offset, d.err_len) for d in self._done[0:got]]
 
     def kick(self, stop: bool) -> None:
         """Make `run` return soon; with stop, refuse new work and return None once the rest has finished."""

@@ -1,8 +1,10 @@
 """The I/O engine interface shared by the io_uring and threads backends (built by tiermem/io/backends.py).
 
-An engine moves bytes between host buffers and IOFiles asynchronously. `read`/`write` split a transfer
-into chunks of at most `block_size` bytes, keep at most `queue_depth` chunks in flight, and return an
-IOFuture; errors surface from `IOFuture.wait()` as OSError naming the file.
+An engine moves bytes between host buffers and IOFiles asynchronously. A request is one or more Pieces of
+one buffer, each a range of some file (`read`/`write`: one piece; `read_pieces`/`write_pieces`: several, as
+a partition striped over several drives). The engine splits pieces into chunks of at most `block_size`
+bytes, keeps at most `queue_depth` chunks in flight, and returns one IOFuture for the request; errors
+surface from `IOFuture.wait()` as OSError naming the file and offset of the piece that failed.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import errno
 import os
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,8 +30,17 @@ OP_WRITE = 1
 RETRYABLE = (errno.EAGAIN, errno.EINTR)  # errno values after which a chunk is simply submitted again
 
 
+class Piece(NamedTuple):
+    """One contiguous range of a request: `length` bytes at `offset` in `file`, at `buf_offset` in the buffer."""
+
+    file: IOFile
+    offset: int
+    length: int
+    buf_offset: int
+
+
 class Chunk:
-    """One piece of a transfer, at most block_size bytes; requeued with its remainder on a short I/O."""
+    """One part of a piece, at most block_size bytes; requeued with its remainder on a short I/O."""
 
     __slots__ = ("future", "file", "op", "address", "length", "offset", "view", "view_offset")
 
@@ -87,41 +98,57 @@ class IOEngine(ABC):
 
     def read(self, file: IOFile, buf: Any, offset: int = 0, nbytes: int | None = None) -> IOFuture:
         """Read `nbytes` (default: len(buf)) from `file` at `offset` into the start of `buf`."""
-        return self._transfer(OP_READ, file, buf, offset, nbytes)
+        view = self._view(OP_READ, buf, file.path)
+        return self._transfer(OP_READ, view, [Piece(file, offset, len(view) if nbytes is None else nbytes, 0)])
 
     def write(self, file: IOFile, buf: Any, offset: int = 0, nbytes: int | None = None) -> IOFuture:
         """Write the first `nbytes` (default: all) of `buf` to `file` at `offset`."""
-        return self._transfer(OP_WRITE, file, buf, offset, nbytes)
+        view = self._view(OP_WRITE, buf, file.path)
+        return self._transfer(OP_WRITE, view, [Piece(file, offset, len(view) if nbytes is None else nbytes, 0)])
+
+    def read_pieces(self, buf: Any, pieces: list[Piece]) -> IOFuture:
+        """Read every piece into its place in `buf`, as one request with one future."""
+        return self._transfer(OP_READ, self._view(OP_READ, buf, _where(pieces)), pieces)
+
+    def write_pieces(self, buf: Any, pieces: list[Piece]) -> IOFuture:
+        """Write every piece from its place in `buf`, as one request with one future."""
+        return self._transfer(OP_WRITE, self._view(OP_WRITE, buf, _where(pieces)), pieces)
 
     def register_buffers(self, regions: list[tuple[int, int]]) -> bool:
         """Offer long-lived (address, length) regions for faster I/O; True when the backend uses them."""
         return False
 
-    def _transfer(self, op: int, file: IOFile, buf: Any, offset: int, nbytes: int | None) -> IOFuture:
+    def _view(self, op: int, buf: Any, where: str) -> memoryview:
         if self.closed:
             raise IOEngineError(f"the {self.name} engine is closed")
         if isinstance(buf, torch.Tensor):
-            check_host(f"{file.path}: I/O buffer", buf)
+            check_host(f"{where}: I/O buffer", buf)
         view = as_bytes_view(buf)
         if op == OP_READ and view.readonly:
-            raise ValueError(f"{file.path}: cannot read into a read-only buffer")
-        if nbytes is None:
-            nbytes = len(view)
-        if nbytes < 0 or nbytes > len(view):
-            raise ValueError(f"{file.path}: nbytes={nbytes} does not fit the {len(view)}-byte buffer")
-        if offset < 0:
-            raise ValueError(f"{file.path}: offset must be >= 0, got {offset}")
-        if nbytes == 0:
-            return IOFuture(0, 0)
-        return self._start(op, file, view, buffer_address(view), nbytes, offset)
+            raise ValueError(f"{where}: cannot read into a read-only buffer")
+        return view
 
-    def _start(self, op: int, file: IOFile, view: memoryview, address: int, nbytes: int, offset: int) -> IOFuture:
-        """Begin a checked, non-empty transfer. By default: block-size Chunks handed to `_submit`."""
+    def _transfer(self, op: int, view: memoryview, pieces: list[Piece]) -> IOFuture:
+        for p in pieces:
+            if p.length < 0 or p.buf_offset < 0 or p.buf_offset + p.length > len(view):
+                raise ValueError(f"{p.file.path}: nbytes={p.length} at {p.buf_offset} does not fit the "
+                                 f"{len(view)}-byte buffer")
+            if p.offset < 0:
+                raise ValueError(f"{p.file.path}: offset must be >= 0, got {p.offset}")
+        pieces = [p for p in pieces if p.length]
+        if not pieces:
+            return IOFuture(0, 0)
+        return self._start(op, view, buffer_address(view), pieces)
+
+    def _start(self, op: int, view: memoryview, address: int, pieces: list[Piece]) -> IOFuture:
+        """Begin a checked request of non-empty pieces. By default: block-size Chunks handed to `_submit`."""
         bs = self.block_size
-        future = IOFuture(nbytes, (nbytes + bs - 1) // bs, keepalive=view)
+        future = IOFuture(sum(p.length for p in pieces), sum((p.length + bs - 1) // bs for p in pieces),
+                          keepalive=view)
         self._submit([
-            Chunk(future, file, op, address + pos, min(bs, nbytes - pos), offset + pos, view, pos)
-            for pos in range(0, nbytes, bs)
+            Chunk(future, p.file, op, address + p.buf_offset + pos, min(bs, p.length - pos), p.offset + pos, view,
+                  p.buf_offset + pos)
+            for p in pieces for pos in range(0, p.length, bs)
         ])
         return future
 
@@ -141,3 +168,8 @@ class IOEngine(ABC):
 
     def describe(self) -> str:
         return f"{self.name} (block {format_size(self.block_size)}, queue depth {self.queue_depth})"
+
+
+def _where(pieces: list[Piece]) -> str:
+    """What a message about the request's buffer names: its first file."""
+    return pieces[0].file.path if pieces else "I/O request"

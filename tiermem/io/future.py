@@ -85,10 +85,3 @@ def _run_callback(fn: Callable[[IOFuture], None], future: IOFuture) -> None:
     except Exception:
         log.exception("an I/O completion callback raised; the transfer itself is unaffected")
 
-
-def gather(futures: list[IOFuture]) -> IOFuture:
-    """One future that completes when all of `futures` have, carrying the first error among them."""
-    total = IOFuture(sum(f.nbytes for f in futures), len(futures))
-    for f in futures:
-        f.add_done_callback(lambda done: total._chunk_done(done.exception()))
-    return total

@@ -2,14 +2,15 @@
 
 # [Note: the ring loop]
 A ring is not safe to submit to from several threads, so one thread owns it. A caller hands a whole
-transfer to the C core (`tm_engine_enqueue`, under the core's mutex) and returns at once with an
-IOFuture. The loop thread sits in `tm_engine_run` with the GIL released. There the core splits
-transfers into block-size chunks, keeps at most queue-depth chunks in the ring and submits each batch
-with one system call, resubmits short and -EAGAIN/-EINTR chunks, and hands back a transfer only when its
-last chunk has finished. With many chunks in flight it waits for an eighth of them before refilling, so
-one submit carries several chunks while the ring stays at least 7/8 full.
-Python sees each transfer twice (queued, finished), never each chunk: at 1 MiB blocks the per-chunk work
-is what fio's CPU figure measures, and doing it in Python cost about twice fio's CPU per GiB.
+request (all its pieces, in one or several files) to the C core in one call (`tm_engine_enqueue`, under
+the core's mutex) and returns at once with one IOFuture. The loop thread sits in `tm_engine_run` with the
+GIL released. There the core splits pieces into block-size chunks, keeps at most queue-depth chunks in the
+ring and submits each batch with one system call, resubmits short and -EAGAIN/-EINTR chunks, and hands
+back a request only when the last chunk of its last piece has finished. With many chunks in flight it
+waits for an eighth of them before refilling, so one submit carries several chunks while the ring stays at
+least 7/8 full. Python sees each request twice (queued, finished), never each piece or chunk: at 1 MiB
+blocks the per-chunk work is what fio's CPU figure measures, and doing it in Python cost about twice fio's
+CPU per GiB.
 While the loop blocks, an 8-byte read of an eventfd sits in the ring; a caller that queues work while the
 loop sleeps on a ring under half full writes that eventfd, which completes the read and wakes the loop.
 With more in flight, the next completions wake it soon enough, and a wake costs a system call.
@@ -32,10 +33,10 @@ from tiermem.io.engine import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_QUEUE_DEPTH,
     IOEngine,
+    Piece,
     past_end_error,
     transfer_error,
 )
-from tiermem.io.files import IOFile
 from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size
 
@@ -58,7 +59,7 @@ class UringEngine(IOEngine):
         self.sqpoll = sqpoll
         self._core = _native.NativeEngine(queue_depth, block_size, sqpoll=sqpoll)
         self._ids = itertools.count(1)
-        self._live: dict[int, tuple[IOFuture, IOFile, int]] = {}  # user_data -> transfer not yet finished
+        self._live: dict[int, tuple[IOFuture, list[Piece], int]] = {}  # user_data -> request not yet finished
         self._control: collections.deque[tuple[str, object, threading.Event, list[object]]] = (
             collections.deque())  # work that must run on the loop's thread
         # held across the closed check and each call into the core by a caller, so that close() cannot
@@ -77,16 +78,17 @@ class UringEngine(IOEngine):
         return self._core.stats()
 
     # -- caller side ---------------------------------------------------------------------------
-    def _start(self, op: int, file: IOFile, view: memoryview, address: int, nbytes: int, offset: int) -> IOFuture:
-        future = IOFuture(nbytes, 1, keepalive=view)
+    def _start(self, op: int, view: memoryview, address: int, pieces: list[Piece]) -> IOFuture:
+        future = IOFuture(sum(p.length for p in pieces), 1, keepalive=view)
         uid = next(self._ids)
-        self._live[uid] = (future, file, op)
+        self._live[uid] = (future, pieces, op)
+        xfers = [(address + p.buf_offset, p.offset, p.length, p.file.fd, p.file.buffered_fd, op,
+                  ALIGN if p.file.direct else 0) for p in pieces]
         try:
             with self._calls:
                 if self.closed:
-                    raise OSError(errno.ESHUTDOWN, "the io_uring engine is closed", file.path)
-                self._core.enqueue(uid, op, file.fd, file.buffered_fd, ALIGN if file.direct else 0, address, offset,
-                                   nbytes, file.path)
+                    raise OSError(errno.ESHUTDOWN, "the io_uring engine is closed", pieces[0].file.path)
+                self._core.enqueue(uid, xfers, pieces[0].file.path)
         except BaseException:
             self._live.pop(uid, None)
             raise
@@ -147,14 +149,14 @@ class UringEngine(IOEngine):
             finally:
                 done.set()
 
-    def _finish(self, user_data: int, res: int, err_offset: int, err_len: int) -> None:
-        future, file, op = self._live.pop(user_data)
+    def _finish(self, user_data: int, res: int, index: int, err_offset: int, err_len: int) -> None:
+        future, pieces, op = self._live.pop(user_data)
         if res == 0:
             future._chunk_done(None)
         elif res == _native.ERR_EOF:
-            future._chunk_done(past_end_error(file, err_len, err_offset))
+            future._chunk_done(past_end_error(pieces[index].file, err_len, err_offset))
         else:
-            future._chunk_done(transfer_error(file, op, -res, err_len, err_offset))
+            future._chunk_done(transfer_error(pieces[index].file, op, -res, err_len, err_offset))
 
     def _loop(self) -> None:
         core = self._core
@@ -171,4 +173,4 @@ class UringEngine(IOEngine):
             for uid in list(self._live):  # the core has waited for the kernel to finish with their buffers
                 entry = self._live.pop(uid, None)
                 if entry is not None:
-                    entry[0]._chunk_done(OSError(errno.EIO, f"io_uring loop failed: {exc}", entry[1].path))
+                    entry[0]._chunk_done(OSError(errno.EIO, f"io_uring loop failed: {exc}", entry[1][0].file.path))

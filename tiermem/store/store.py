@@ -43,9 +43,9 @@ from typing import Any
 from tiermem.errors import StoreError
 from tiermem.freelist import FreeList
 from tiermem.io.buffers import ALIGN, align_up, as_bytes_view
-from tiermem.io.engine import IOEngine
+from tiermem.io.engine import IOEngine, Piece
 from tiermem.io.files import IOFile
-from tiermem.io.future import IOFuture, gather
+from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -280,23 +280,22 @@ class SwapStore:
         )
 
     # -- data -----------------------------------------------------------------------------------
-    def pieces(self, extent: Extent, nbytes: int | None = None, offset: int = 0) -> list[tuple[int, int, int, int]]:
-        """(file index, file offset, length, offset in the caller's buffer) runs covering `nbytes` of the
-        extent from `offset` on."""
+    def pieces(self, extent: Extent, nbytes: int | None = None, offset: int = 0) -> list[Piece]:
+        """The engine pieces (file, file offset, length, offset in the caller's buffer) covering `nbytes` of
+        the extent from `offset` on."""
         nbytes = extent.size - offset if nbytes is None else nbytes
         n, ss = len(self.files), self.stripe_size
-        runs: list[tuple[int, int, int, int]] = []
+        runs: list[Piece] = []
         pos = 0
         while pos < nbytes:
             logical = extent.start + offset + pos
             k, within = divmod(logical, ss)
             length = min(ss - within, nbytes - pos)
             d, file_off = k % n, (k // n) * ss + within
-            if runs and runs[-1][0] == d and runs[-1][1] + runs[-1][2] == file_off and n == 1:
-                last = runs[-1]
-                runs[-1] = (d, last[1], last[2] + length, last[3])
+            if runs and runs[-1].file is self.files[d] and runs[-1].offset + runs[-1].length == file_off and n == 1:
+                runs[-1] = runs[-1]._replace(length=runs[-1].length + length)
             else:
-                runs.append((d, file_off, length, pos))
+                runs.append(Piece(self.files[d], file_off, length, pos))
             pos += length
         return runs
 
@@ -317,10 +316,9 @@ class SwapStore:
         view = as_bytes_view(buf)
         if len(view) < nbytes:
             raise ValueError(f"the buffer holds {len(view)} bytes, the transfer needs {nbytes}")
-        op = self.engine.write if write else self.engine.read
-        futures = [op(self.files[d], view[boff : boff + length], off) for d, off, length, boff in
-                   self.pieces(extent, nbytes, offset)]
-        return futures[0] if len(futures) == 1 else gather(futures)
+        pieces = self.pieces(extent, nbytes, offset)
+        # one request and one future for all of it, whatever the striping cut it into
+        return self.engine.write_pieces(view, pieces) if write else self.engine.read_pieces(view, pieces)
 
     def flush(self) -> None:
         """fsync every swap file (data that must survive a crash, e.g. kept files)."""
