@@ -10,6 +10,7 @@ import os
 import threading
 from typing import Any
 
+from tiermem.io.buffers import ALIGN
 from tiermem.io.engine import OP_READ, OP_WRITE, IOEngine, Piece
 from tiermem.io.future import IOFuture
 
@@ -59,7 +60,7 @@ class FaultyEngine(IOEngine):
         if plan[1] != SHORT:
             fut._chunk_done(OSError(plan[1], os.strerror(plan[1]), path))
             return fut
-        half = nbytes // 2 // 4096 * 4096
+        half = nbytes // 2 // ALIGN * ALIGN
         error = OSError(errno.EIO, f"short transfer: {half} of {nbytes} bytes", path)
         moving, left = [], half  # the first `half` bytes of the request, piece by piece
         for p in pieces:

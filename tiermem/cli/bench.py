@@ -12,6 +12,7 @@ from tiermem.benchmark import BenchSpec, run_benchmark, system_info
 from tiermem.cli.progress import ProgressBar
 from tiermem.errors import BenchArgError
 from tiermem.io.backends import BACKENDS, available_backends
+from tiermem.io.buffers import check_io_size
 from tiermem.sizes import format_size, parse_size, short_repr
 
 DEFAULT_PATH = "/var/tmp/tiermem"
@@ -56,8 +57,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     block_sizes = [_size("--block-size", b) for b in (SWEEP_BLOCK_SIZES if args.sweep else
                                                        (args.block_size or "1MiB").split(","))]
     for b in block_sizes:
-        if b <= 0 or b % 4096:
-            raise BenchArgError(f"--block-size: expected a positive multiple of 4096 bytes, got {b}")
+        check_io_size("--block-size", b, BenchArgError)
     try:
         depths = SWEEP_QUEUE_DEPTHS if args.sweep else [int(q) for q in (args.queue_depth or "32").split(",")]
     except ValueError:

@@ -58,6 +58,19 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+def aligned(*values: int) -> bool:
+    """Whether every value (address, offset, length) is a multiple of ALIGN, as O_DIRECT needs."""
+    return all(v % ALIGN == 0 for v in values)
+
+
+def check_io_size(key: str, value: int, error: type[Exception] = ValueError) -> int:
+    """Return `value` if it is a positive multiple of ALIGN (a block or stripe size that keeps direct I/O
+    aligned), else raise `error` naming `key`."""
+    if value <= 0 or not aligned(value):
+        raise error(f"{key}: expected a positive multiple of {ALIGN} bytes, got {value}")
+    return value
+
+
 def buffer_address(buf: Any) -> int:
     """Address of the first byte of a buffer-protocol object or a contiguous CPU torch tensor."""
     if hasattr(buf, "data_ptr"):

@@ -18,7 +18,7 @@ import torch
 
 from tiermem.device import check_host
 from tiermem.errors import IOEngineError, ReadPastEndError
-from tiermem.io.buffers import as_bytes_view, buffer_address
+from tiermem.io.buffers import as_bytes_view, buffer_address, check_io_size
 from tiermem.io.files import IOFile
 from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size
@@ -88,8 +88,7 @@ class IOEngine(ABC):
     name: str = "abstract"
 
     def __init__(self, *, block_size: int = DEFAULT_BLOCK_SIZE, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> None:
-        if block_size <= 0 or block_size % 4096:
-            raise IOEngineError(f"io.block_size: expected a positive multiple of 4096, got {block_size}")
+        check_io_size("io.block_size", block_size, IOEngineError)
         if queue_depth < 1:
             raise IOEngineError(f"io.queue_depth: expected an integer >= 1, got {queue_depth}")
         self.block_size = block_size

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 
-from tiermem.io.buffers import ALIGN
+from tiermem.io.buffers import aligned
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class IOFile:
 
     def fd_for(self, address: int, offset: int, length: int) -> int:
         """The descriptor that can serve this request: the direct one only when it is all aligned."""
-        if self.direct and address % ALIGN == 0 and offset % ALIGN == 0 and length % ALIGN == 0:
+        if self.direct and aligned(address, offset, length):
             return self.fd
         return self.buffered_fd
 

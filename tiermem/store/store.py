@@ -42,7 +42,7 @@ from typing import Any
 
 from tiermem.errors import StoreError
 from tiermem.freelist import FreeList
-from tiermem.io.buffers import ALIGN, align_up, as_bytes_view
+from tiermem.io.buffers import align_up, as_bytes_view, check_io_size
 from tiermem.io.engine import IOEngine, Piece
 from tiermem.io.files import IOFile
 from tiermem.io.future import IOFuture
@@ -93,8 +93,7 @@ class SwapStore:
                  keep_files: bool = False, run_name: str | None = None, direct: bool = True) -> None:
         if not paths:
             raise StoreError("nvme.paths: no swap directory given; list at least one directory")
-        if stripe_size <= 0 or stripe_size % ALIGN:
-            raise StoreError(f"nvme.stripe_size: expected a positive multiple of 4096, got {stripe_size}")
+        check_io_size("nvme.stripe_size", stripe_size, StoreError)
         self.engine = engine
         self.stripe_size = stripe_size
         self.keep_files = keep_files
