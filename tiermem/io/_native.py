@@ -6,6 +6,8 @@ import errno
 import os
 from typing import Any
 
+from tiermem.io.engine import OP_READ, OP_WRITE
+
 try:  # the extension is absent where liburing was missing at install time
     from tiermem.io._uring_cffi import ffi, lib  # type: ignore[import-not-found,unused-ignore]
 
@@ -16,12 +18,12 @@ except ImportError as exc:  # pragma: no cover - depends on the build machine
         f"the native io_uring core is not built ({exc}); install Debian's liburing-dev and reinstall tiermem"
     )
 
-OP_READ = 0
-OP_WRITE = 1
-ERR_EOF = 1  # tm_done.res of a read that reached the end of the file
+# The C core's codes, taken from csrc/tm_uring.h rather than written again here.
+ERR_EOF: int | None = None if lib is None else int(lib.TM_ERR_EOF)  # tm_done.res of a read past the file's end
+_C_OPS: dict[int, int] = {} if lib is None else {OP_READ: int(lib.TM_OP_READ), OP_WRITE: int(lib.TM_OP_WRITE)}
 
-# struct tm_xfer, one piece: (address, file offset, length, fd, buffered fd, op, alignment for the direct fd)
-Xfer = tuple[int, int, int, int, int, int, int]
+# one piece of a request: (address, file offset, length, fd, buffered fd, alignment for the direct fd)
+Xfer = tuple[int, int, int, int, int, int]
 # struct tm_done, one finished request: (user_data, res: 0, -errno or ERR_EOF, index of the failed piece,
 # file offset and bytes left of its first failed chunk)
 Done = tuple[int, int, int, int, int]
@@ -73,10 +75,12 @@ class NativeEngine:
         """First thing on the loop's thread: makes that thread the ring's one issuer."""
         check(lib.tm_engine_start(self.handle), "io_uring_enable_rings")
 
-    def enqueue(self, user_data: int, xfers: list[Xfer], path: str) -> None:
-        """Queue one request of pieces (any thread); `run` reports it once, under `user_data`."""
-        check(lib.tm_engine_enqueue(self.handle, user_data, ffi.new("struct tm_xfer[]", xfers), len(xfers)),
-              "cannot queue the transfer", path)
+    def enqueue(self, user_data: int, op: int, xfers: list[Xfer], path: str) -> None:
+        """Queue one request of pieces (any thread), `op` being OP_READ or OP_WRITE; `run` reports it once,
+        under `user_data`."""
+        c_op = _C_OPS[op]
+        pieces = ffi.new("struct tm_xfer[]", [(a, off, n, fd, bfd, c_op, align) for a, off, n, fd, bfd, align in xfers])
+        check(lib.tm_engine_enqueue(self.handle, user_data, pieces, len(xfers)), "cannot queue the transfer", path)
 
     def run(self) -> list[Done] | None:
         """Block (GIL released) until requests finish and return them, [] after a kick, None once stopped and

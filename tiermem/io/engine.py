@@ -21,11 +21,10 @@ from tiermem.errors import IOEngineError, ReadPastEndError
 from tiermem.io.buffers import as_bytes_view, buffer_address, check_io_size
 from tiermem.io.files import IOFile
 from tiermem.io.future import IOFuture
-from tiermem.sizes import format_size
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_QUEUE_DEPTH = 32
-OP_READ = 0
+OP_READ = 0  # Chunk.op and the engines' op codes; tiermem/io/_native.py maps them to csrc's TM_OP_*
 OP_WRITE = 1
 RETRYABLE = (errno.EAGAIN, errno.EINTR)  # errno values after which a chunk is simply submitted again
 
@@ -164,9 +163,6 @@ class IOEngine(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def describe(self) -> str:
-        return f"{self.name} (block {format_size(self.block_size)}, queue depth {self.queue_depth})"
 
 
 def _where(pieces: list[Piece]) -> str:

@@ -82,13 +82,13 @@ class UringEngine(IOEngine):
         future = IOFuture(sum(p.length for p in pieces), 1, keepalive=view)
         uid = next(self._ids)
         self._live[uid] = (future, pieces, op)
-        xfers = [(address + p.buf_offset, p.offset, p.length, p.file.fd, p.file.buffered_fd, op,
+        xfers = [(address + p.buf_offset, p.offset, p.length, p.file.fd, p.file.buffered_fd,
                   ALIGN if p.file.direct else 0) for p in pieces]
         try:
             with self._calls:
                 if self.closed:
                     raise OSError(errno.ESHUTDOWN, "the io_uring engine is closed", pieces[0].file.path)
-                self._core.enqueue(uid, xfers, pieces[0].file.path)
+                self._core.enqueue(uid, op, xfers, pieces[0].file.path)
         except BaseException:
             self._live.pop(uid, None)
             raise

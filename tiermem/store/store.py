@@ -3,8 +3,11 @@
 # [Note: striping]
 The store offers one logical byte space. It is cut into stripe_size chunks dealt round-robin over the
 directories (RAID0 in software): chunk k lives in directory k % n at file offset (k // n) * stripe_size.
-An extent is a 4 KiB-aligned range of that space; reading it issues one request per directory run of
-consecutive chunks, so n drives are busy at once and requests stay as large as the layout allows.
+An extent is a 4 KiB-aligned range of that space. Reading or writing it is one engine request (one
+future) whose pieces are the stripe chunks it touches, each in its directory's file, so n drives are busy
+at once. Pieces merge where they are consecutive both in a file and in the caller's buffer, which happens
+only with one directory: there the whole range is one piece. With n > 1, a directory's next chunk follows
+in its file but lies n chunks further in the buffer, so each chunk is a piece of its own.
 
 # [Note: run directories]
 Each store lives in `<path>/tiermem-<host>-<pid>-<token>/` (mode 0700) on every path, holding `swap.bin`
@@ -281,22 +284,19 @@ class SwapStore:
     # -- data -----------------------------------------------------------------------------------
     def pieces(self, extent: Extent, nbytes: int | None = None, offset: int = 0) -> list[Piece]:
         """The engine pieces (file, file offset, length, offset in the caller's buffer) covering `nbytes` of
-        the extent from `offset` on."""
+        the extent from `offset` on; see [Note: striping]."""
         nbytes = extent.size - offset if nbytes is None else nbytes
         n, ss = len(self.files), self.stripe_size
-        runs: list[Piece] = []
+        if n == 1:  # logical offsets are the file's own: one piece
+            return [Piece(self.files[0], extent.start + offset, nbytes, 0)] if nbytes else []
+        pieces: list[Piece] = []
         pos = 0
-        while pos < nbytes:
-            logical = extent.start + offset + pos
-            k, within = divmod(logical, ss)
+        while pos < nbytes:  # one piece per stripe chunk
+            k, within = divmod(extent.start + offset + pos, ss)
             length = min(ss - within, nbytes - pos)
-            d, file_off = k % n, (k // n) * ss + within
-            if runs and runs[-1].file is self.files[d] and runs[-1].offset + runs[-1].length == file_off and n == 1:
-                runs[-1] = runs[-1]._replace(length=runs[-1].length + length)
-            else:
-                runs.append(Piece(self.files[d], file_off, length, pos))
+            pieces.append(Piece(self.files[k % n], (k // n) * ss + within, length, pos))
             pos += length
-        return runs
+        return pieces
 
     def write(self, extent: Extent, buf: Any, nbytes: int | None = None, offset: int = 0) -> IOFuture:
         """Write the first `nbytes` (default extent.nbytes) of `buf` into the extent, `offset` bytes in."""
