@@ -54,10 +54,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -66,14 +64,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from _common import (  # bench/ is on sys.path when run as a script
-    cpu_model,
+    check_variants,
+    cpu_busy_seconds,
+    describe_system,
+    engine_bandwidth,
+    mean_std,
+    other_cpu_seconds,
     package_versions,
+    peak_rss_bytes,
     print_system_header,
-    tiermem_tree,
+    proc_io,
+    rotated,
+    run_worker,
+    status_bytes,
+    wait_for_quiet,
+    worker_main,
     write_json,
 )
 
-from tiermem.benchmark import GB, GIB, block_device_of, disk_stats, system_info
+from tiermem.benchmark import GB, block_device_of, disk_stats
 from tiermem.sizes import format_size, parse_size
 
 CACHE_DIR = "/var/tmp/tiermem-bench-cache"
@@ -87,6 +96,9 @@ COLD_GOAL = 0.4  # tiermem <= this x accelerate cold
 WARM_GOAL = 1.0  # tiermem <= this x accelerate warm
 RSS_SLACK = 400 * 10**6  # tiermem's peak RSS <= host budget + this
 MIN_MODEL_TO_BUDGET = 4  # the model's parameters should be at least this x the host budget
+# [Note: quiet gate]: wait at most this long before a timed forward, for other processes to stay under
+# --quiet-cores over one window of this length
+QUIET_LIMIT_S, QUIET_WINDOW_S = 10.0, 0.3
 
 
 @dataclass(frozen=True)
@@ -115,51 +127,14 @@ BY_KEY = {v.key: v for v in VARIANTS}
 # -- helpers used on both sides ---------------------------------------------------------------------
 def read_bytes_so_far() -> int | None:
     """This process's read_bytes from /proc/self/io (bytes it made the block layer read), or None."""
-    try:
-        with open("/proc/self/io", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+    io = proc_io()
+    return None if io is None else io[0]
 
 
-def status_kib(field: str) -> int | None:
-    """A field of /proc/self/status in KiB (VmRSS, VmHWM)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def cpu_busy_seconds() -> float | None:
-    """Seconds the machine's CPUs were busy since boot, all processes together (from /proc/stat)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    # user + nice + system + steal: time processes ran, or the hypervisor took the CPU away. Interrupt time
-    # is left out: with a cold page cache much of it is our own reads' completions.
-    return (ticks[0] + ticks[1] + ticks[2] + ticks[7]) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_for_quiet(max_cores: float, window: float = 0.3, limit: float = 10.0) -> float:
-    """Wait (at most `limit` s) until other processes use under `max_cores` CPUs over `window` s; return the
-    seconds waited. See [Note: quiet gate]."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < limit:
-        b0, c0 = cpu_busy_seconds(), time.process_time()
-        time.sleep(window)
-        b1 = cpu_busy_seconds()
-        if b0 is None or b1 is None or (b1 - b0 - (time.process_time() - c0)) / window < max_cores:
-            break
-    return time.perf_counter() - t0
+def busy_seconds() -> float | None:
+    """cpu_busy_seconds without interrupt time: with a cold page cache much of it is our own reads'
+    completions, not other processes."""
+    return cpu_busy_seconds(interrupts=False)
 
 
 def drop_from_page_cache(paths: list[str]) -> None:
@@ -221,7 +196,7 @@ def ensure_model(layers: int, width: int, heads: int) -> tuple[str, dict[str, An
         os.makedirs(folder)
         print(f"making the model files in {folder} (once; random weights, seed {SEED})...", file=sys.stderr,
               flush=True)
-        run_worker("_prepare", {"model_dir": folder, "layers": layers, "width": width, "heads": heads})
+        start_worker("_prepare", {"model_dir": folder, "layers": layers, "width": width, "heads": heads})
     with open(info_path, encoding="utf-8") as f:
         info = json.load(f)
     ckpt = os.path.join(folder, "model.safetensors")
@@ -313,11 +288,11 @@ class LazySafetensors:
 def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Build one variant, then time its forwards for every shape; return the figures."""
     t_start = time.perf_counter()
-    rss_start_kib = status_kib("VmRSS")
+    rss_start = status_bytes("VmRSS") or 0
     import torch
     import transformers
 
-    rss_imported_kib = status_kib("VmRSS")
+    rss_imported = status_bytes("VmRSS") or 0
     v = BY_KEY[spec["variant"]]
     model_dir = spec["model_dir"]
     ckpt = os.path.join(model_dir, "model.safetensors")
@@ -359,7 +334,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(v.kind)
         out["setup_seconds"] = time.perf_counter() - t0
         out["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
-        out["rss_after_setup_bytes"] = (status_kib("VmRSS") or 0) * 1024
+        out["rss_after_setup_bytes"] = status_bytes("VmRSS") or 0
 
         devices = [d for d in {block_device_of(spec["swap_dir"]), block_device_of(model_dir)} if d]
         box: dict[str, Any] = {}
@@ -369,12 +344,12 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 drop_from_page_cache(cold_files)
             if tm is not None:
                 tm.reset_stats()
-            dev0, busy0, rb0 = disk_stats(devices), cpu_busy_seconds(), read_bytes_so_far()
+            dev0, busy0, rb0 = disk_stats(devices), busy_seconds(), read_bytes_so_far()
             c0, t0 = time.process_time(), time.perf_counter()
             with torch.inference_mode():
                 box["logits"] = model(ids, use_cache=False).logits
             seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-            busy1, rb1, dev1 = cpu_busy_seconds(), read_bytes_so_far(), disk_stats(devices)
+            busy1, rb1, dev1 = busy_seconds(), read_bytes_so_far(), disk_stats(devices)
             own_read = rb1 - rb0 if rb0 is not None and rb1 is not None else None
             dev_bytes = sum((a[1] - dev0[d][1] + a[3] - dev0[d][3]) * 512 for d, a in dev1.items() if d in dev0)
             sample: dict[str, Any] = {
@@ -382,8 +357,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 "disk_read_bytes": own_read,
                 # CPU time that other processes (and kernel threads) took during this forward; /proc/stat
                 # counts in ticks of 10 ms
-                "other_cpu_seconds": max(0.0, busy1 - busy0 - cpu) if busy0 is not None and busy1 is not None
-                else None,
+                "other_cpu_seconds": other_cpu_seconds(busy0, busy1, cpu),
                 # bytes the disk moved (read + written) for others during this forward
                 "other_disk_bytes": max(0, dev_bytes - own_read) if dev1 and own_read is not None else None,
             }
@@ -403,7 +377,8 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
             for _ in range(spec["forwards"]):
                 for attempt in range(1 + spec["retries"]):
                     gating = time.time() < spec["deadline"]
-                    waited = wait_for_quiet(spec["quiet_cores"]) if gating else 0.0
+                    waited = wait_for_quiet(spec["quiet_cores"], QUIET_LIMIT_S, window_s=QUIET_WINDOW_S,
+                                            interrupts=False)["waited_seconds"] if gating else 0.0
                     sample = forward(ids, warmup=False)
                     sample["waited_for_quiet_seconds"] = waited
                     other = sample["other_cpu_seconds"]
@@ -418,59 +393,31 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
             path = os.path.join(spec["logits_dir"], f"r{spec['round']}-{v.key}-{shape_name((b, s))}.pt")
             torch.save(logits.clone(), path)
             shapes.append({"shape": shape_name((b, s)), "samples": samples, "discarded": discarded,
-                           "logits_file": path, "vm_hwm_bytes": (status_kib("VmHWM") or 0) * 1024})
+                           "logits_file": path, "vm_hwm_bytes": status_bytes("VmHWM") or 0})
         out["shapes"] = shapes
-        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before any teardown
-    out["rss_start_bytes"] = (rss_start_kib or 0) * 1024
-    out["rss_after_imports_bytes"] = (rss_imported_kib or 0) * 1024
+        out["peak_rss_bytes"] = peak_rss_bytes()  # before any teardown
+    out["rss_start_bytes"] = rss_start
+    out["rss_after_imports_bytes"] = rss_imported
     out["process_seconds"] = time.perf_counter() - t_start
     return out
 
 
 # -- subprocesses -------------------------------------------------------------------------------------
-def run_worker(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), kind, json.dumps(spec)],
-                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_TAG):
-            out = json.loads(line[len(RESULT_TAG):])
-            if out.get("error"):
-                raise RuntimeError(out["error"])
-            return out
-    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-25:])
-    raise RuntimeError(f"worker {kind} exited {proc.returncode} without a result:\n{tail}")
+WORKERS = {"_prepare": prepare_worker, "_variant": variant_worker}  # what this file runs as a worker, by kind
 
 
-def worker_main(kind: str, arg: str) -> int:
-    import traceback
-
-    spec = json.loads(arg)
-    try:
-        out = prepare_worker(spec) if kind == "_prepare" else variant_worker(spec)
-    except Exception as exc:  # reported to the parent with its traceback
-        out = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-    print(RESULT_TAG + json.dumps(out), flush=True)
-    return 0
+def start_worker(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One worker process (this file with `kind`); its figures, or RuntimeError."""
+    return run_worker(__file__, kind, spec, tag=RESULT_TAG, timeout=SUBPROCESS_TIMEOUT_S, name=f"worker {kind}")
 
 
-def engine_bandwidth(path: str, size: str) -> dict[str, Any]:
+def read_bandwidth(path: str, size: str) -> dict[str, Any]:
     """tiermem's own read bandwidth on the swap disk: `python3 -m tiermem bench io ... --mode read`."""
-    cmd = [sys.executable, "-m", "tiermem", "bench", "io", "--engine", "io_uring", "--mode", "read",
-           "--size", size, "--runs", "3", "--json", "--no-progress", "--path", path]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"tiermem bench io exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-    r = json.loads(proc.stdout)["results"][0]
-    return {"gbps_mean": r["gbps_mean"], "gbps_std": r["gbps_std"], "gbps_samples": r["gbps_samples"],
-            "block_size": r["block_size"], "queue_depth": r["queue_depth"], "direct": r["direct"],
-            "command": " ".join(["python3", *cmd[1:]])}
+    bw = engine_bandwidth(path, size, modes=("read",), timeout=SUBPROCESS_TIMEOUT_S)
+    return {**bw["read"], "command": bw["command"]}
 
 
 # -- summary and goals --------------------------------------------------------------------------------
-def _ms(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
 def summarize(runs: list[dict[str, Any]], variants: list[Variant], shapes: list[str]) -> list[dict[str, Any]]:
     out = []
     for shape in shapes:
@@ -486,7 +433,7 @@ def summarize(runs: list[dict[str, Any]], variants: list[Variant], shapes: list[
                 out.append(entry)
                 continue
             b, s = (int(x) for x in shape.split("x"))
-            mean, sd = _ms([t["seconds"] for t in timed])
+            mean, sd = mean_std([t["seconds"] for t in timed])
             rb = [t["disk_read_bytes"] for t in timed if t["disk_read_bytes"] is not None]
             secs = [t["seconds"] for t in timed]
             entry.update({
@@ -513,7 +460,7 @@ def summarize(runs: list[dict[str, Any]], variants: list[Variant], shapes: list[
                 for key in ("bytes_read", "stall_seconds", "prefetch_hits", "prefetch_misses", "evictions",
                             "retraces", "peak_host_bytes"):
                     entry[f"{key}_mean"] = statistics.fmean(t[key] for t in timed)
-                entry["stall_seconds_std"] = _ms([t["stall_seconds"] for t in timed])[1]
+                entry["stall_seconds_std"] = mean_std([t["stall_seconds"] for t in timed])[1]
                 entry["units"] = ok[0]["units"]
                 entry["largest_unit_bytes"] = ok[0]["largest_unit_bytes"]
             out.append(entry)
@@ -609,7 +556,7 @@ def _paired(runs: list[dict[str, Any]], a: str, b: str, shape: str) -> dict[str,
             ratios.append(mean_in(ra) / mean_in(rb))
     if not ratios:
         return None
-    m, s = _ms(ratios)
+    m, s = mean_std(ratios)
     return {"mean": m, "std": s}
 
 
@@ -718,17 +665,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.shape_list = parse_shapes(args.shapes)
     except ValueError as exc:
         p.error(str(exc))
-    unknown = [k for k in args.variants.split(",") if k not in BY_KEY]
-    if unknown:
-        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
+    args.variant_list = [BY_KEY[k] for k in check_variants(p, args.variants, list(BY_KEY))]
     if args.rounds < 1 or args.forwards < 1 or args.layers < 1 or args.width % args.heads or args.retries < 0:
         p.error("--rounds, --forwards and --layers must be >= 1, --retries >= 0, and --width a multiple of --heads")
     return args
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] in (["_prepare"], ["_variant"]):
-        return worker_main(argv[0], argv[1])
+    if argv[:1] and argv[0] in WORKERS:
+        return worker_main(RESULT_TAG, WORKERS[argv[0]], argv[1])
     args = parse_args(argv)
     t_start = time.perf_counter()
     os.makedirs(CACHE_DIR, exist_ok=True)
@@ -741,15 +686,12 @@ def main(argv: list[str]) -> int:
         print(f"warning: the parameters ({format_size(info['parameter_bytes'])}) are less than "
               f"{MIN_MODEL_TO_BUDGET} x the host budget ({format_size(args.host_budget_bytes)})", file=sys.stderr)
 
-    system = system_info([args.swap_dir])
-    system["cpu_model"] = cpu_model()
-    system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    system = describe_system([args.swap_dir])
     system["loadavg_start"] = os.getloadavg()
-    system["tiermem_tree"] = tiermem_tree()
     versions = package_versions("tiermem", "torch", "transformers", "accelerate", "safetensors")
     print_header(system, versions, info, args)
 
-    variants = [BY_KEY[k] for k in args.variants.split(",")]
+    variants = args.variant_list
     shapes = [shape_name(s) for s in args.shape_list]
     runs: list[dict[str, Any]] = []
     bandwidth: list[dict[str, Any]] = []
@@ -758,15 +700,14 @@ def main(argv: list[str]) -> int:
     try:
         for rnd in range(args.rounds):
             try:
-                bw = engine_bandwidth(io_dir, args.io_size)
+                bw = read_bandwidth(io_dir, args.io_size)
                 bandwidth.append({"round": rnd, **bw})
                 print(f"[{rnd + 1}/{args.rounds}] tiermem io_uring read: "
                       + ", ".join(f"{g:.2f}" for g in bw["gbps_samples"]) + " GB/s", file=sys.stderr, flush=True)
-            except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as exc:
+            except RuntimeError as exc:
                 bandwidth.append({"round": rnd, "error": str(exc)})
                 print(f"[{rnd + 1}/{args.rounds}] bandwidth failed: {exc}", file=sys.stderr, flush=True)
-            order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
-            for v in order:
+            for v in rotated(variants, rnd):
                 spec = {"variant": v.key, "model_dir": model_dir, "shapes": args.shape_list,
                         "forwards": args.forwards, "host_budget": args.host_budget,
                         "prefetch_depth": args.prefetch_depth, "swap_dir": args.swap_dir,
@@ -775,8 +716,8 @@ def main(argv: list[str]) -> int:
                         "deadline": deadline}
                 t0 = time.perf_counter()
                 try:
-                    out = run_worker("_variant", spec)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    out = start_worker("_variant", spec)
+                except RuntimeError as exc:
                     out = {"variant": v.key, "error": str(exc)}
                 out["round"] = rnd
                 runs.append(out)
@@ -800,7 +741,7 @@ def main(argv: list[str]) -> int:
     bw_summary = None
     if ok_bw:
         samples = [g for b in ok_bw for g in b["gbps_samples"]]
-        m, s = _ms(samples)
+        m, s = mean_std(samples)
         bw_summary = {"gbps_mean": m, "gbps_std": s, "gbps_samples": samples, "size": args.io_size,
                       "command": ok_bw[0]["command"]}
     summary = summarize(runs, variants, shapes)

@@ -41,9 +41,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from _common import cpu_model, print_system_header, write_json  # bench/ is on sys.path when run as a script
+from _common import (  # bench/ is on sys.path when run as a script
+    describe_system,
+    print_system_header,
+    rotated,
+    run_worker,
+    tiermem_bench_io,
+    worker_main,
+    write_json,
+)
 
-from tiermem.benchmark import GB, GIB, block_device_of, disk_stats, system_info
+from tiermem.benchmark import GB, GIB, block_device_of, disk_stats
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_PATH = "/var/tmp/tiermem-peers"
@@ -128,36 +136,27 @@ def run_fio(path: str, size: int, bs: int, qd: int, mode: str, fixedbufs: bool) 
 
 
 def run_deepspeed(path: str, size: int, bs: int, qd: int, mode: str, threads: int) -> dict[str, Any]:
-    """One DeepSpeed aio_handle transfer in a worker subprocess (this file with `_deepspeed run`)."""
-    out = _worker(["run", path, str(size), str(bs), str(qd), mode, str(threads)], SUBPROCESS_TIMEOUT_S)
+    """One DeepSpeed aio_handle transfer in a worker subprocess (this file with `_deepspeed`, op "run")."""
+    spec = {"op": "run", "path": path, "size": size, "block_size": bs, "queue_depth": qd, "mode": mode,
+            "threads": threads}
+    out = deepspeed_worker_process(spec, SUBPROCESS_TIMEOUT_S)
     return {"gbps": size / out["seconds"] / GB, "cpu_seconds_per_gib": out["cpu_seconds"] / (size / GIB),
             "direct": True}  # its open_file() always adds O_DIRECT (checked against the device bytes too)
 
 
 def run_tiermem(directory: str, size: int, bs: int, qd: int, mode: str, engine: str) -> dict[str, Any]:
     """One `tiermem bench io` run (its own swap store under `directory`, removed when it exits)."""
-    cmd = [sys.executable, "-m", "tiermem", "bench", "io", "--path", directory, "--size", str(size),
-           "--block-size", str(bs), "--queue-depth", str(qd), "--engine", engine, "--mode", mode,
-           "--runs", "1", "--json", "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"tiermem bench io exited {proc.returncode}: {_last_line(proc.stderr)}")
-    result = json.loads(proc.stdout)["results"][0]
+    results, _ = tiermem_bench_io(["--size", str(size), "--block-size", str(bs), "--queue-depth", str(qd),
+                                   "--engine", engine, "--mode", mode, "--runs", "1"], directory, SUBPROCESS_TIMEOUT_S)
+    result = results[0]
     return {"gbps": result["gbps_mean"], "cpu_seconds_per_gib": result["cpu_seconds_per_gib"],
             "direct": result["direct"], "tiermem_avg_request_kib": result["avg_request_kib"]}
 
 
-def _worker(args: list[str], timeout: float) -> dict[str, Any]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "_deepspeed", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_TAG):
-            out = json.loads(line[len(RESULT_TAG):])
-            if out.get("error"):
-                raise RuntimeError(out["error"])
-            return out
-    raise RuntimeError(f"DeepSpeed worker exited {proc.returncode}: {_last_line(proc.stderr or proc.stdout)}")
+def deepspeed_worker_process(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """deepspeed_worker in its own process, on the CPU accelerator; its result, or RuntimeError."""
+    return run_worker(__file__, "_deepspeed", spec, tag=RESULT_TAG, timeout=timeout,
+                      env=dict(os.environ, DS_ACCELERATOR="cpu"), name="DeepSpeed worker", tail_lines=1)
 
 
 def _last_line(text: str) -> str:
@@ -165,8 +164,8 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def deepspeed_worker(argv: list[str]) -> int:
-    """Runs inside the subprocess: `probe` loads (and on first use builds) the op; `run` times one call."""
+def deepspeed_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs inside the subprocess: op `probe` loads (and on first use builds) the op; `run` times one call."""
     result: dict[str, Any] = {}
     try:
         import torch
@@ -176,10 +175,11 @@ def deepspeed_worker(argv: list[str]) -> int:
         if not builder.is_compatible(verbose=False):
             raise RuntimeError("AsyncIOBuilder is not compatible here (libaio-dev missing? see setup-peers.sh)")
         op = builder.load(verbose=False)
-        if argv[0] == "probe":
+        if spec["op"] == "probe":
             result = {"deepspeed": importlib.metadata.version("deepspeed"), "torch": torch.__version__}
         else:
-            path, size, bs, qd, mode, threads = argv[1], *map(int, argv[2:5]), argv[5], int(argv[6])
+            path, size, bs, qd, mode, threads = (spec[k] for k in ("path", "size", "block_size", "queue_depth",
+                                                                   "mode", "threads"))
             # DeepSpeed's own defaults for ZeRO-Infinity's aio: submit all at once, overlap events.
             handle = op.aio_handle(bs, qd, False, True, threads)
             buf = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))  # page-locked, untimed
@@ -193,10 +193,9 @@ def deepspeed_worker(argv: list[str]) -> int:
                 raise RuntimeError(f"aio_handle read of {path} returned data its write did not leave")
             handle.free_cpu_locked_tensor(buf)
             result = {"seconds": seconds, "cpu_seconds": cpu}
-    except Exception as exc:  # reported to the parent, which records why the column is missing
+    except Exception as exc:  # one line, without the traceback: the parent records it as why the column is missing
         result = {"error": f"{type(exc).__name__}: {exc}"}
-    print(RESULT_TAG + json.dumps(result), flush=True)
-    return 0
+    return result
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -216,10 +215,10 @@ def probe_peers(threads: int) -> tuple[dict[str, str], dict[str, str]]:
     else:
         print("loading DeepSpeed's aio op (built with ninja on first use; may take minutes)...", file=sys.stderr)
         try:
-            out = _worker(["probe"], DEEPSPEED_BUILD_TIMEOUT_S)
+            out = deepspeed_worker_process({"op": "probe"}, DEEPSPEED_BUILD_TIMEOUT_S)
             versions["deepspeed"] = f"{out['deepspeed']} (aio_handle, libaio, intra_op_parallelism={threads})"
             versions["torch"] = out["torch"]
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        except RuntimeError as exc:
             missing["deepspeed"] = f"DeepSpeed's aio op could not be loaded: {exc}"
     for name in ("tiermem", "torch"):
         if name not in versions:
@@ -427,7 +426,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_deepspeed"]:
-        return deepspeed_worker(argv[1:])
+        return worker_main(RESULT_TAG, deepspeed_worker, argv[1])
     args = parse_args(argv)
     size, block_sizes, qd = args.size_bytes, args.block_size_list, args.queue_depth
     t_start = time.perf_counter()
@@ -436,9 +435,7 @@ def main(argv: list[str]) -> int:
     directory = os.path.abspath(args.path)
     devices = [d for d in [block_device_of(directory)] if d]
 
-    system = system_info([directory])
-    system["cpu_model"] = cpu_model()
-    system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    system = describe_system([directory])
     missing, versions = probe_peers(args.deepspeed_threads)
     for engine, state in system["engines"].items():
         if state != "available":
@@ -450,7 +447,7 @@ def main(argv: list[str]) -> int:
     t_measure = time.perf_counter()
     try:
         for rep in range(args.repeats):
-            order = tools[rep % len(tools):] + tools[:rep % len(tools)] if tools else []
+            order = rotated(tools, rep)
             for bs in block_sizes:
                 for mode in MODES:
                     for tool in order:

@@ -98,16 +98,14 @@ from typing import Any
 
 from _common import (  # bench/ is on sys.path when run as a script
     ROOT,
-    cpu_model,
+    cpu_busy_seconds,
+    describe_system,
     package_versions,
     print_system_header,
-    tiermem_tree,
     write_json,
 )
-from infer_offload import cpu_busy_seconds  # the same measures as the other benches
 from train_offload import model_info
 
-from tiermem.benchmark import system_info
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/tiermem-soak"
@@ -348,7 +346,7 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
               f"{format_size(info['pool_bytes'])}, engine {info['engine']}, CPU allocator {info['cpu_allocator']}, "
               f"swap {os.path.join(swap_dir, *run_dirs[:1])}", flush=True)
         samples.append({**sample(tm, 0, swap_dir), "others_cores": None})
-        busy0, cpu0 = cpu_busy_seconds(), time.process_time()
+        busy0, cpu0 = cpu_busy_seconds(interrupts=False), time.process_time()  # as the inference bench counts
         step = 0
         try:
             for step in range(1, args.steps + 1):
@@ -366,7 +364,7 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
                     s = sample(tm, step, swap_dir)
                     prev = samples[-1]
                     n = step - prev["step"]
-                    busy1, cpu1 = cpu_busy_seconds(), time.process_time()
+                    busy1, cpu1 = cpu_busy_seconds(interrupts=False), time.process_time()
                     wall = s["time"] - prev["time"]
                     s["read_per_step"] = (s["bytes_read_total"] - prev["bytes_read_total"]) / n
                     s["written_per_step"] = (s["bytes_written_total"] - prev["bytes_written_total"]) / n
@@ -558,11 +556,8 @@ def main(argv: list[str]) -> int:
     os.makedirs(args.dir, mode=0o700, exist_ok=True)
     swap_dir = tempfile.mkdtemp(prefix="soak-", dir=args.dir)  # fresh, 0700
     model = model_info(args)
-    system = system_info([swap_dir])
-    system["cpu_model"] = cpu_model()
-    system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    system = describe_system([swap_dir])
     system["loadavg_start"] = os.getloadavg()
-    system["tiermem_tree"] = tiermem_tree()
     versions = package_versions("tiermem", "torch", "transformers")
     print_system_header("tiermem soak", system, versions)
     ratio = model["training_state_bytes"] / args.host_budget_bytes

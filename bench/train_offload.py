@@ -79,27 +79,36 @@ GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes; GiB = 2**30 bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from _common import (  # bench/ is on sys.path when run as a script
-    cpu_model,
+    check_variants,
+    cpu_busy_seconds,
+    describe_system,
+    engine_bandwidth,
+    mean_std,
+    other_cpu_seconds,
     package_versions,
+    peak_rss_bytes,
     print_system_header,
-    tiermem_tree,
+    proc_io,
+    reset_peak_rss,
+    rotated,
+    run_worker,
+    status_bytes,
+    wait_for_quiet,
+    worker_main,
     write_json,
 )
 
-from tiermem.benchmark import GB, system_info
+from tiermem.benchmark import GB
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/tiermem-train-bench"
@@ -181,54 +190,8 @@ GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_lazy", "_lazy"), ("tiermem_defa
 OWN_PLAIN = {"tiermem_act_jemalloc": "plain_jemalloc", "tiermem_act_mimalloc": "plain_mimalloc"}  # same allocator
 
 
-# -- helpers used on both sides ---------------------------------------------------------------------
-def proc_io() -> tuple[int, int] | None:
-    """(read_bytes, write_bytes) of /proc/self/io: bytes this process made the block layer move."""
-    got: dict[str, int] = {}
-    try:
-        with open("/proc/self/io", encoding="ascii") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                got[key] = int(value)
-    except (OSError, ValueError):
-        return None
-    return got.get("read_bytes", 0), got.get("write_bytes", 0)
-
-
-def status_bytes(field: str) -> int | None:
-    """A field of /proc/self/status (VmRSS, VmHWM) in bytes."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Restart this process's peak RSS from its current RSS (Linux: write 5 to /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def cpu_busy_seconds() -> float | None:
-    """Seconds the machine's CPUs were busy since boot, all processes together (from /proc/stat)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = ticks[3] + ticks[4]  # idle + iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def free_port() -> int:
+    """A free TCP port on the loopback interface, for DeepSpeed's one-process group."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -328,7 +291,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(v.kind)
     out["setup_seconds"] = time.perf_counter() - t0
     out["rss_after_setup_bytes"] = status_bytes("VmRSS")
-    out["setup_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["setup_peak_rss_bytes"] = peak_rss_bytes()
     out["peak_reset"] = reset_peak_rss()
 
     samples = []
@@ -366,8 +329,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 "warmup": i < spec["warmup"], "loss": float(loss.detach()), "seconds": t2 - t0,
                 "forward_backward_seconds": t1 - t0, "optimizer_seconds": t2 - t1, "cpu_seconds": c2 - c0,
                 # CPU time other processes took during this step (/proc/stat ticks: +-10 ms)
-                "other_cpu_seconds": max(0.0, busy2 - busy0 - (c2 - c0)) if busy0 is not None and busy2 is not None
-                else None,
+                "other_cpu_seconds": other_cpu_seconds(busy0, busy2, c2 - c0),
                 "disk_read_bytes": io2[0] - io0[0] if io0 and io2 else None,
                 "disk_write_bytes": io2[1] - io0[1] if io0 and io2 else None,
             }
@@ -379,15 +341,14 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 sample["peak_device_bytes"] = st["peak_bytes"]["device"]
             samples.append(sample)
         out["steps_peak_rss_bytes"] = status_bytes("VmHWM") if out["peak_reset"] else None
-        out["peak_rss_bytes"] = max(out["setup_peak_rss_bytes"],
-                                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        out["peak_rss_bytes"] = max(out["setup_peak_rss_bytes"], peak_rss_bytes())
         out["rss_end_bytes"] = status_bytes("VmRSS")
     finally:
         t_down = time.perf_counter()
         for ctx in reversed(stack):
             ctx.__exit__(None, None, None)
         out["teardown_seconds"] = time.perf_counter() - t_down
-    out["teardown_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["teardown_peak_rss_bytes"] = peak_rss_bytes()
     out["samples"] = samples
     out["rss_start_bytes"] = rss_start
     out["rss_after_imports_bytes"] = rss_imports
@@ -430,7 +391,8 @@ def update_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- subprocesses -------------------------------------------------------------------------------------
-def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+def start_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One worker process (this file with `_variant` or spec['worker']); its figures, or RuntimeError."""
     env = dict(os.environ)
     env.setdefault("MKL_CBWR", "AUTO,STRICT")  # reproducible BLAS from process to process (tests/conftest.py)
     env.update(BY_KEY[spec["variant"]].env if spec["variant"] in BY_KEY else ())
@@ -440,55 +402,25 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["variant"] == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                    WORLD_SIZE="1", LOCAL_RANK="0")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), spec.get("worker", "_variant"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, env=env)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_TAG):
-            out = json.loads(line[len(RESULT_TAG):])
-            if out.get("error"):
-                raise RuntimeError(out["error"])
-            return out
-    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-30:])
-    raise RuntimeError(f"worker exited {proc.returncode} without a result:\n{tail}")
+    return run_worker(__file__, spec.get("worker", "_variant"), spec, tag=RESULT_TAG, timeout=SUBPROCESS_TIMEOUT_S,
+                      env=env)
 
 
-def worker_main(arg: str, work: Any) -> int:
-    import traceback
-
-    spec = json.loads(arg)
-    try:
-        out = work(spec)
-    except Exception as exc:  # reported to the parent with its traceback
-        out = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-    print(RESULT_TAG + json.dumps(out), flush=True)
-    return 0
-
-
-def engine_bandwidth(path: str, size: str) -> dict[str, Any]:
-    """tiermem's own write and read bandwidth on the swap disk: `python3 -m tiermem bench io`."""
-    cmd = [sys.executable, "-m", "tiermem", "bench", "io", "--engine", "io_uring", "--size", size, "--runs", "3",
-           "--json", "--no-progress", "--path", path]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"tiermem bench io exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-    out: dict[str, Any] = {"command": " ".join(["python3", *cmd[1:]])}
-    for r in json.loads(proc.stdout)["results"]:
-        out[r["mode"]] = {"gbps_mean": r["gbps_mean"], "gbps_std": r["gbps_std"], "gbps_samples": r["gbps_samples"],
-                          "block_size": r["block_size"], "queue_depth": r["queue_depth"], "direct": r["direct"]}
-    if "read" not in out or "write" not in out:
-        raise RuntimeError("tiermem bench io did not report both read and write")
-    return out
+def quiet_before(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Wait for other processes to leave the CPUs idle before a process starts (not when --quiet-wait is 0)."""
+    if args.quiet_wait <= 0:
+        return None
+    return wait_for_quiet(args.quiet_cores, args.quiet_wait, pause_s=2.0)
 
 
 def run_update(base: dict[str, Any], tiers: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The update benchmark's process (update_worker), after waiting for quiet CPUs."""
-    if args.quiet_wait > 0:
-        wait_for_quiet(args.quiet_wait, args.quiet_cores)
+    quiet_before(args)
     spec = {**base, "variant": "update", "worker": "_update", "tiermem": tiers,
             "update_warmup": args.update_warmup, "update_reps": args.update_reps}
     try:
-        out = run_worker(spec)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        out = start_worker(spec)
+    except RuntimeError as exc:
         print(f"update benchmark FAILED: {exc}", file=sys.stderr, flush=True)
         return {"error": str(exc)}
     turns = [p["adamw"] / p["tiermem"] for p in out["pairs"]]
@@ -497,30 +429,16 @@ def run_update(base: dict[str, Any], tiers: dict[str, Any], args: argparse.Names
     return out
 
 
-def wait_for_quiet(limit_s: float, threshold_cores: float) -> dict[str, Any]:
-    """Wait until other processes use less than `threshold_cores` CPUs over a second, or `limit_s` passes."""
-    t0 = time.perf_counter()
-    while True:
-        b0, c0 = cpu_busy_seconds(), time.process_time()
-        time.sleep(1.0)
-        b1, c1 = cpu_busy_seconds(), time.process_time()
-        others = None if b0 is None or b1 is None else max(0.0, b1 - b0 - (c1 - c0))
-        waited = time.perf_counter() - t0
-        if others is None or others < threshold_cores or waited >= limit_s:
-            return {"others_cores": others, "waited_seconds": waited}
-        time.sleep(2.0)
-
-
 def run_variant(v: Variant, spec: dict[str, Any], args: argparse.Namespace, ds_swap: str) -> dict[str, Any]:
     """One process of one variant, after waiting for quiet CPUs; failures come back as {'error': ...}."""
-    quiet = wait_for_quiet(args.quiet_wait, args.quiet_cores) if args.quiet_wait > 0 else None
+    quiet = quiet_before(args)
     if v.kind == "deepspeed":  # stale swap files of another size break its start
         shutil.rmtree(ds_swap, ignore_errors=True)
         os.makedirs(ds_swap)
     t0 = time.perf_counter()
     try:
-        out = run_worker(spec)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        out = start_worker(spec)
+    except RuntimeError as exc:
         out = {"variant": v.key, "error": str(exc)}
     out["took_seconds"] = time.perf_counter() - t0
     out["quiet_before"] = quiet
@@ -528,10 +446,6 @@ def run_variant(v: Variant, spec: dict[str, Any], args: argparse.Namespace, ds_s
 
 
 # -- summary and goals --------------------------------------------------------------------------------
-def _ms(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
 def _mean_of(rows: list[dict[str, Any]], key: str) -> float | None:
     xs = [r[key] for r in rows if r.get(key) is not None]
     return statistics.fmean(xs) if xs else None
@@ -549,9 +463,9 @@ def summarize(runs: list[dict[str, Any]], variants: list[Variant]) -> list[dict[
             entry["error"] = mine[-1]["error"] if mine else "not run"
             out.append(entry)
             continue
-        mean, sd = _ms([t["seconds"] for t in timed])
+        mean, sd = mean_std([t["seconds"] for t in timed])
         per_process = [statistics.fmean(s["seconds"] for s in r["samples"] if not s["warmup"]) for r in ok]
-        opt_mean, opt_sd = _ms([t["optimizer_seconds"] for t in timed])
+        opt_mean, opt_sd = mean_std([t["optimizer_seconds"] for t in timed])
         entry.update({
             "steps": len(timed),
             "seconds_mean": mean, "seconds_std": sd,
@@ -580,7 +494,7 @@ def summarize(runs: list[dict[str, Any]], variants: list[Variant]) -> list[dict[
             for key in ("bytes_read", "bytes_written", "stall_seconds"):
                 entry[f"{key}_mean"] = statistics.fmean(t[key] for t in timed)
             entry["bytes_moved_mean"] = entry["bytes_read_mean"] + entry["bytes_written_mean"]
-            entry["stall_seconds_std"] = _ms([t["stall_seconds"] for t in timed])[1]
+            entry["stall_seconds_std"] = mean_std([t["stall_seconds"] for t in timed])[1]
             entry["peak_host_bytes_max"] = max(t["peak_host_bytes"] for t in timed)
             for key in ("activations_stall_seconds", "activations_bytes_read", "activations_bytes_written",
                         "activations_kept_bytes"):
@@ -621,7 +535,7 @@ def paired(runs: list[dict[str, Any]], a: str, b: str, of: str = "seconds") -> d
             ratios.append(mean_in(ra) / mean_in(rb))
     if not ratios:
         return None
-    m, s = _ms(ratios)
+    m, s = mean_std(ratios)
     return {"mean": m, "std": s, "rounds": len(ratios)}
 
 
@@ -859,9 +773,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parse_size(args.io_size, what="--io-size")
     except ValueError as exc:
         p.error(str(exc))
-    unknown = [k for k in args.variants.split(",") if k not in BY_KEY]
-    if unknown:
-        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
+    args.variant_list = [BY_KEY[k] for k in check_variants(p, args.variants, list(BY_KEY))]
     if min(args.rounds, args.steps, args.layers, args.batch, args.seq) < 1 or args.warmup < 0 \
             or args.width % args.heads:
         p.error("--rounds, --steps, --layers, --batch and --seq must be >= 1, --warmup >= 0, and --width a multiple "
@@ -882,9 +794,9 @@ def model_info(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_variant"]:
-        return worker_main(argv[1], variant_worker)
+        return worker_main(RESULT_TAG, variant_worker, argv[1])
     if argv[:1] == ["_update"]:
-        return worker_main(argv[1], update_worker)
+        return worker_main(RESULT_TAG, update_worker, argv[1])
     args = parse_args(argv)
     t_start = time.perf_counter()
     tm_swap = os.path.join(args.swap_dir, "tiermem")
@@ -898,11 +810,8 @@ def main(argv: list[str]) -> int:
         print(f"warning: the training state ({format_size(model['training_state_bytes'])}) is less than "
               f"{MIN_STATE_TO_BUDGET} x (c)'s host budget ({format_size(args.host_budget_bytes)})", file=sys.stderr)
 
-    system = system_info([args.swap_dir])
-    system["cpu_model"] = cpu_model()
-    system["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    system = describe_system([args.swap_dir])
     system["loadavg_start"] = os.getloadavg()
-    system["tiermem_tree"] = tiermem_tree()
     versions = package_versions("tiermem", "torch", "transformers", "deepspeed")
     print_header(system, versions, model, args)
 
@@ -925,7 +834,7 @@ def main(argv: list[str]) -> int:
     for key in ("tiermem_act_mmap", "tiermem_act_jemalloc", "tiermem_act_mimalloc"):
         tiers[key] = tiers["tiermem_act"]
     tiers["tiermem_act_torchalloc"] = {**tiers["tiermem_act"], "memory.cpu_allocator": "torch"}
-    variants = [BY_KEY[k] for k in args.variants.split(",")]
+    variants = args.variant_list
     runs: list[dict[str, Any]] = []
     update_runs: list[dict[str, Any]] = []  # one process of the update benchmark per round
     disturbed: list[dict[str, Any]] = []  # processes run again because others took CPU during their steps
@@ -940,11 +849,10 @@ def main(argv: list[str]) -> int:
                 print(f"{tag} tiermem io_uring write " + ", ".join(f"{g:.2f}" for g in bw["write"]["gbps_samples"])
                       + "; read " + ", ".join(f"{g:.2f}" for g in bw["read"]["gbps_samples"]) + " GB/s",
                       file=sys.stderr, flush=True)
-            except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as exc:
+            except RuntimeError as exc:
                 bandwidth.append({"round": rnd, "error": str(exc)})
                 print(f"{tag} bandwidth failed: {exc}", file=sys.stderr, flush=True)
-            order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
-            for v in order:
+            for v in rotated(variants, rnd):
                 for attempt in range(args.retries + 1):
                     out = run_variant(v, {**base, "variant": v.key, "tiermem": tiers.get(v.key)}, args, ds_swap)
                     out["round"], out["attempt"] = rnd, attempt
@@ -976,8 +884,8 @@ def main(argv: list[str]) -> int:
     if ok_bw:
         reads = [g for b in ok_bw for g in b["read"]["gbps_samples"]]
         writes = [g for b in ok_bw for g in b["write"]["gbps_samples"]]
-        bw_summary = {"read_gbps": _ms(reads)[0], "read_gbps_std": _ms(reads)[1], "read_samples": reads,
-                      "write_gbps": _ms(writes)[0], "write_gbps_std": _ms(writes)[1], "write_samples": writes,
+        bw_summary = {"read_gbps": mean_std(reads)[0], "read_gbps_std": mean_std(reads)[1], "read_samples": reads,
+                      "write_gbps": mean_std(writes)[0], "write_gbps_std": mean_std(writes)[1], "write_samples": writes,
                       "samples": len(reads), "size": args.io_size, "command": ok_bw[0]["command"]}
     summary = summarize(runs, variants)
     losses = check_losses(runs)

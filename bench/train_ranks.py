@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -51,19 +50,21 @@ import tempfile
 import time
 from typing import Any
 
-from _common import cpu_model, package_versions, print_system_header, tiermem_tree, write_json  # bench/ on sys.path
-from train_offload import (
-    ADAMW,
-    INPUT_SEED,
-    build_model,
-    deepspeed_config,
+from _common import (  # bench/ is on sys.path when run as a script
+    check_variants,
+    describe_system,
     engine_bandwidth,
+    package_versions,
+    peak_rss_bytes,
+    print_system_header,
     reset_peak_rss,
+    rotated,
     status_bytes,
     wait_for_quiet,
+    write_json,
 )
+from train_offload import ADAMW, INPUT_SEED, build_model, deepspeed_config
 
-from tiermem.benchmark import system_info
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/tiermem-ranks-bench"
@@ -120,7 +121,7 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
             out["units"] = len(tm.units)
             out["plan"] = tm.plan_summary()
     out["setup_seconds"] = time.perf_counter() - t0
-    out["setup_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["setup_peak_rss_bytes"] = peak_rss_bytes()
     out["peak_reset"] = reset_peak_rss()
     samples = []
     try:
@@ -367,9 +368,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.host_budget_bytes = parse_size(args.host_budget, what="--host-budget")
     except ValueError as exc:
         p.error(str(exc))
-    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if bad or args.ranks < 2:
-        p.error(f"--variants: unknown {bad}" if bad else "--ranks must be at least 2")
+    check_variants(p, args.variants, VARIANTS)
+    if args.ranks < 2:
+        p.error("--ranks must be at least 2")
     return args
 
 
@@ -379,9 +380,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     tm_swap, ds_swap, io_dir = (os.path.join(args.swap_dir, d) for d in ("tiermem", "deepspeed", "io"))
     os.makedirs(tm_swap, exist_ok=True)
-    system = system_info([args.swap_dir])
-    system.update(cpu_model=cpu_model(), tiermem_tree=tiermem_tree(),
-                  memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    system = describe_system([args.swap_dir])
     versions = package_versions("tiermem", "torch", "transformers", "deepspeed")
     print_system_header(f"train_ranks: {args.ranks} ranks", system, versions)
     base = {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": args.vocab, "seq": args.seq,
@@ -398,11 +397,11 @@ def main(argv: list[str]) -> int:
         bandwidth = engine_bandwidth(io_dir, args.io_size)
         print(f"tiermem io_uring on the swap folder: read {bandwidth['read']['gbps_mean']:.2f} GB/s, write "
               f"{bandwidth['write']['gbps_mean']:.2f} GB/s", file=sys.stderr, flush=True)
-    except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as exc:
+    except RuntimeError as exc:
         print(f"bandwidth failed: {exc}", file=sys.stderr)
     for rnd in range(args.rounds):
-        for v in variants[rnd % len(variants):] + variants[: rnd % len(variants)]:
-            quiet = wait_for_quiet(args.quiet_wait, 0.3) if args.quiet_wait > 0 else None
+        for v in rotated(variants, rnd):
+            quiet = wait_for_quiet(0.3, args.quiet_wait, pause_s=2.0) if args.quiet_wait > 0 else None
             run = launch({**base, "variant": v}, 1 if v == "tiermem_one" else args.ranks)
             run.update(round=rnd, quiet_before=quiet)
             runs.append(run)
