@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the peers that bench/io_vs_peers.py compares tiermem with: fio, libaio (for DeepSpeed's
-# aio op) and DeepSpeed itself, and jemalloc and mimalloc for bench/train_offload.py's allocator variants.
+# aio op) and DeepSpeed itself, and jemalloc and mimalloc for the allocator diagnostics of
+# bench/train_offload.py (docs/benchmarks.md).
 # Benchmark-only; tiermem does not depend on any of them.
 # Usage: bash bench/setup-peers.sh   (as root, or with sudo available for apt-get)
 set -euo pipefail

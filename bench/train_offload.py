@@ -22,13 +22,6 @@ seed, in host memory, and sees the same batches in the same order. Variants:
                         the same host budget): saved activations go to swap in forward and come back for backward
   (c''/pt) tiermem nvme (c'') with memory.cpu_allocator torch: PyTorch's own CPU allocator in place of
                         tiermem's, which every other tiermem variant uses (the default, auto)
-  (c''') tiermem nvme   (c'') with MALLOC_MMAP_THRESHOLD_=262144 in its environment (a diagnostic, only when
-                        named in --variants): glibc then maps every allocation of 256 KiB or more on its own
-                        and unmaps it on free, so RSS follows the memory in use instead of glibc's heap
-  (a/je), (c''/je)      (a) and (c'') with jemalloc as the process's malloc (LD_PRELOAD=libjemalloc.so.2, from
-                        Debian's libjemalloc2; MALLOC_CONF=background_thread:true), only when named in --variants
-  (a/mi), (c''/mi)      the same with mimalloc (LD_PRELOAD=libmimalloc.so.2, from Debian's libmimalloc2.0, its
-                        defaults), only when named in --variants
   (e) tiermem defaults  tiermem.tiered_offload(model, optimizer=AdamW, device=cpu, nvme.paths [--swap-dir/tiermem],
                         memory.host_budget=--host-budget) and nothing else: what a user who sets only where and
                         how much gets (issue 14's goals are on it)
@@ -70,6 +63,11 @@ Correctness: (a), (b) and (c) see the same seed and data and must produce bit-id
 its CPU Adam is another implementation, so they are not expected to be identical.
 
     python3 bench/train_offload.py --json bench/results/train_offload.json
+
+The workers inherit the script's environment. The malloc diagnostics that were variants here until issue 17
+run that way, every process of the run under the setting: (c''') as MALLOC_MMAP_THRESHOLD_=262144, (a/je) and
+(c''/je) as LD_PRELOAD=libjemalloc.so.2 MALLOC_CONF=background_thread:true, (a/mi) and (c''/mi) as
+LD_PRELOAD=libmimalloc.so.2, each in front of the command with --variants plain,tiermem_act.
 
 A quick debug run: --layers 2 --width 256 --vocab 1000 --host-budget 32MiB --activations-buffer 4MiB --rounds 1
 --warmup 1 --steps 2.
@@ -129,23 +127,6 @@ DEFAULT_PLAIN_GOAL, DEFAULT_DS_GOAL, DEFAULT_RSS_SLACK = 1.1, 0.4, 300 * 10**6
 MIN_STATE_TO_BUDGET = 2  # the training state should be at least this x the host budget of (c)
 
 
-def _find_lib(name: str) -> str:
-    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
-        path = os.path.join(d, name)
-        if os.path.exists(path):
-            return path
-    return ""
-
-
-# malloc replacements for the allocator variants; empty when not installed (bench/setup-peers.sh installs both)
-ALLOCATOR_PACKAGES = {"libjemalloc.so.2": "libjemalloc2", "libmimalloc.so.2": "libmimalloc2.0"}
-JEMALLOC = _find_lib("libjemalloc.so.2")
-# purging freed pages from a background thread instead of inline: 7-9% faster steps for (c'') here, same peak
-JEMALLOC_ENV = (("LD_PRELOAD", JEMALLOC or "libjemalloc.so.2"), ("MALLOC_CONF", "background_thread:true"))
-MIMALLOC = _find_lib("libmimalloc.so.2")
-MIMALLOC_ENV = (("LD_PRELOAD", MIMALLOC or "libmimalloc.so.2"),)
-
-
 @dataclass(frozen=True)
 class Variant:
     """One column of the comparison."""
@@ -153,7 +134,6 @@ class Variant:
     key: str  # stable name used in the JSON and the worker's command line
     label: str  # what the tables print
     kind: str  # plain | tiermem | deepspeed
-    env: tuple[tuple[str, str], ...] = ()  # set in the worker's environment
     default: bool = True  # in the default --variants
 
 
@@ -169,25 +149,11 @@ VARIANTS = (
     Variant("tiermem_default_traced", "(e/t) (e) + trace.path", "tiermem", default=False),
     # (c'') with PyTorch's own CPU allocator in place of tiermem's (memory.cpu_allocator: torch)
     Variant("tiermem_act_torchalloc", "(c''/pt) (c'') + memory.cpu_allocator torch", "tiermem"),
-    # a diagnostic, not run by default: glibc told to map every allocation of 256 KiB or more on its own and
-    # unmap it on free, so that freed activation memory leaves the process instead of staying in its heap
-    Variant("tiermem_act_mmap", "(c''') (c'') + MALLOC_MMAP_THRESHOLD_", "tiermem",
-            env=(("MALLOC_MMAP_THRESHOLD_", "262144"),), default=False),
-    # jemalloc instead of glibc's malloc (LD_PRELOAD), for (a) and (c''): not run by default either
-    Variant("plain_jemalloc", "(a/je) (a) under jemalloc", "plain", env=JEMALLOC_ENV, default=False),
-    Variant("tiermem_act_jemalloc", "(c''/je) (c'') under jemalloc", "tiermem", env=JEMALLOC_ENV, default=False),
-    # and mimalloc
-    Variant("plain_mimalloc", "(a/mi) (a) under mimalloc", "plain", env=MIMALLOC_ENV, default=False),
-    Variant("tiermem_act_mimalloc", "(c''/mi) (c'') under mimalloc", "tiermem", env=MIMALLOC_ENV, default=False),
     Variant("deepspeed", "(d) DeepSpeed ZeRO-3 NVMe", "deepspeed"),
 )
 BY_KEY = {v.key: v for v in VARIANTS}
 GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_lazy", "_lazy"), ("tiermem_default", "_default"),
-                 ("tiermem_act", "_act"),
-                 ("tiermem_act_torchalloc", "_act_torchalloc"),
-                 ("tiermem_act_mmap", "_act_mmap"), ("tiermem_act_jemalloc", "_act_jemalloc"),
-                 ("tiermem_act_mimalloc", "_act_mimalloc"))  # (c) and its kin
-OWN_PLAIN = {"tiermem_act_jemalloc": "plain_jemalloc", "tiermem_act_mimalloc": "plain_mimalloc"}  # same allocator
+                 ("tiermem_act", "_act"), ("tiermem_act_torchalloc", "_act_torchalloc"))  # (c) and its kin
 
 
 def free_port() -> int:
@@ -395,10 +361,6 @@ def start_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One worker process (this file with `_variant` or spec['worker']); its figures, or RuntimeError."""
     env = dict(os.environ)
     env.setdefault("MKL_CBWR", "AUTO,STRICT")  # reproducible BLAS from process to process (tests/conftest.py)
-    env.update(BY_KEY[spec["variant"]].env if spec["variant"] in BY_KEY else ())
-    lib = env.get("LD_PRELOAD", "")
-    if lib in ALLOCATOR_PACKAGES:  # _find_lib found no such file
-        raise RuntimeError(f"{lib} is not installed; apt-get install {ALLOCATOR_PACKAGES[lib]} (bench/setup-peers.sh)")
     if spec["variant"] == "deepspeed":
         env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                    WORLD_SIZE="1", LOCAL_RANK="0")
@@ -573,17 +535,14 @@ def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[st
     }
     for key, suffix in GOAL_VARIANTS:
         c = by.get(key)
-        for base, tail in [("plain", "")] + ([(OWN_PLAIN[key], "_vs_" + OWN_PLAIN[key])] if key in OWN_PLAIN else []):
-            a_ = by.get(base)
-            if c and a_ and bw:
-                io_s = (c["bytes_read_mean"] / (bw["read_gbps"] * GB)
-                        + c["bytes_written_mean"] / (bw["write_gbps"] * GB))
-                limit = IO_GOAL * max(a_["seconds_mean"], io_s)
-                out["io_bound" + suffix + tail] = {
-                    "held": c["seconds_mean"] <= limit, "tiermem_s": c["seconds_mean"], "plain": base,
-                    "plain_s": a_["seconds_mean"], "io_seconds": io_s, "limit_s": limit,
-                    "ratio": c["seconds_mean"] / max(a_["seconds_mean"], io_s),
-                    "paired_vs_plain": paired(runs, key, base)}
+        if c and a and bw:
+            io_s = c["bytes_read_mean"] / (bw["read_gbps"] * GB) + c["bytes_written_mean"] / (bw["write_gbps"] * GB)
+            limit = IO_GOAL * max(a["seconds_mean"], io_s)
+            out["io_bound" + suffix] = {
+                "held": c["seconds_mean"] <= limit, "tiermem_s": c["seconds_mean"], "plain": "plain",
+                "plain_s": a["seconds_mean"], "io_seconds": io_s, "limit_s": limit,
+                "ratio": c["seconds_mean"] / max(a["seconds_mean"], io_s),
+                "paired_vs_plain": paired(runs, key, "plain")}
         if c and d:
             out["vs_deepspeed" + suffix] = {"held": c["seconds_mean"] <= DS_GOAL * d["seconds_mean"],
                                             "ratio": c["seconds_mean"] / d["seconds_mean"],
@@ -683,15 +642,13 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
     print("goals:")
     for key, suffix in GOAL_VARIANTS:
         name = BY_KEY[key].label.split(" ", 1)[0]
-        for tail in ("", "_vs_" + OWN_PLAIN.get(key, "")):
-            g = verdict.get("io_bound" + suffix + tail)
-            if g:
-                pv = g["paired_vs_plain"]
-                base = BY_KEY[g["plain"]].label.split(" ", 1)[0]
-                print(f"  {name} {verdict['io_goal'][4:].replace('(a)', base)}: {'held' if g['held'] else 'NOT held'} "
-                      f"({g['tiermem_s']:.3f} s vs limit {g['limit_s']:.3f} s = {IO_GOAL} x max({g['plain_s']:.3f}, "
-                      f"{g['io_seconds']:.3f}); ratio {g['ratio']:.2f}"
-                      + (f"; {name}/{base} paired per round {pv['mean']:.2f} ± {pv['std']:.2f}" if pv else "") + ")")
+        g = verdict.get("io_bound" + suffix)
+        if g:
+            pv = g["paired_vs_plain"]
+            print(f"  {name} {verdict['io_goal'][4:]}: {'held' if g['held'] else 'NOT held'} "
+                  f"({g['tiermem_s']:.3f} s vs limit {g['limit_s']:.3f} s = {IO_GOAL} x max({g['plain_s']:.3f}, "
+                  f"{g['io_seconds']:.3f}); ratio {g['ratio']:.2f}"
+                  + (f"; {name}/(a) paired per round {pv['mean']:.2f} ± {pv['std']:.2f}" if pv else "") + ")")
         g = verdict.get("vs_deepspeed" + suffix)
         if g:
             pv = g["paired"]
@@ -831,8 +788,6 @@ def main(argv: list[str]) -> int:
                                        "trace.path": os.path.join(args.swap_dir, "trace", "train.json")}
     tiers["tiermem_act"] = {**tiers["tiermem_lazy"], "activations.tier": "nvme",
                             "activations.buffer": args.activations_buffer}
-    for key in ("tiermem_act_mmap", "tiermem_act_jemalloc", "tiermem_act_mimalloc"):
-        tiers[key] = tiers["tiermem_act"]
     tiers["tiermem_act_torchalloc"] = {**tiers["tiermem_act"], "memory.cpu_allocator": "torch"}
     variants = args.variant_list
     runs: list[dict[str, Any]] = []
