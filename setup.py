@@ -1,5 +1,5 @@
 """Builds the optional io_uring core (csrc/) with cffi when liburing is installed, and ships the CPU allocator's
-C++ source (built at run time against the installed torch: tiermem/memory.py); metadata is in pyproject.toml."""
+C++ source (built at run time against the installed torch: tiermem/cpu_allocator.py); metadata is in pyproject.toml."""
 
 from __future__ import annotations
 

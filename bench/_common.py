@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from tiermem.benchmark import system_info
+from tiermem.io.bandwidth import system_info
 
 T = TypeVar("T")
 

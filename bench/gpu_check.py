@@ -58,9 +58,9 @@ from _common import (  # bench/ is on sys.path when run as a script
 )
 
 import tiermem
-from tiermem.benchmark import GIB, system_info
 from tiermem.device import copying_device, copying_device_state
 from tiermem.io.backends import available_backends
+from tiermem.io.bandwidth import GIB, system_info
 from tiermem.sizes import parse_size
 
 SEED = 0  # the models' initial weights

@@ -82,7 +82,7 @@ from _common import (  # bench/ is on sys.path when run as a script
     write_json,
 )
 
-from tiermem.benchmark import GB, block_device_of, disk_stats
+from tiermem.io.bandwidth import GB, block_device_of, disk_stats
 from tiermem.sizes import format_size, parse_size
 
 CACHE_DIR = "/var/tmp/tiermem-bench-cache"

@@ -51,7 +51,7 @@ from _common import (  # bench/ is on sys.path when run as a script
     write_json,
 )
 
-from tiermem.benchmark import GB, GIB, block_device_of, disk_stats
+from tiermem.io.bandwidth import GB, GIB, block_device_of, disk_stats
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_PATH = "/var/tmp/tiermem-peers"

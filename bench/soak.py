@@ -339,7 +339,7 @@ def run(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     with tiermem.tiered_offload(model, optimizer=opt, **overrides) as tm:
         info = {"units": len(tm.units), "unit_bytes": [u.nbytes for u in tm.units],
                 "pool_bytes": tm.swapper.pool.nbytes, "engine": tm.swapper.engine.name,
-                "cpu_allocator": "tiermem" if tiermem.memory.cpu_allocator_installed() else "torch"}
+                "cpu_allocator": "tiermem" if tiermem.cpu_allocator.cpu_allocator_installed() else "torch"}
         run_dirs = sorted(os.listdir(swap_dir))
         info["run_directories"] = run_dirs
         print(f"  entered: {len(tm.units)} units ({', '.join(format_size(b) for b in info['unit_bytes'])}), host pool "

@@ -106,7 +106,7 @@ from _common import (  # bench/ is on sys.path when run as a script
     write_json,
 )
 
-from tiermem.benchmark import GB
+from tiermem.io.bandwidth import GB
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/tiermem-train-bench"
@@ -243,7 +243,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
         fwd = model
         out["units"] = len(tm.units)
         out["largest_unit_bytes"] = max(u.nbytes for u in tm.units)
-        out["cpu_allocator"] = "tiermem" if tiermem.memory.cpu_allocator_installed() else "torch"
+        out["cpu_allocator"] = "tiermem" if tiermem.cpu_allocator.cpu_allocator_installed() else "torch"
     elif v.kind == "deepspeed":
         import deepspeed
 

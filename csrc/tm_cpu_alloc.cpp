@@ -1,5 +1,5 @@
 // tiermem's CPU allocator for PyTorch: the same 64-byte aligned memory as c10's default allocator, taken
-// with plain malloc instead of posix_memalign. Why: see [Note: the CPU allocator] in tiermem/memory.py,
+// with plain malloc instead of posix_memalign. Why: see [Note: the CPU allocator] in tiermem/cpu_allocator.py,
 // which also builds this file at run time against the installed torch's headers; the C interface at the
 // end is what it calls through ctypes.
 //

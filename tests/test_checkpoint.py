@@ -15,7 +15,7 @@ import torch
 from tests import models
 from tests.test_training import batches, cfg, loss_fn, mlp, run_steps
 from tiermem import tiered_offload
-from tiermem.runtime.checkpoint import CheckpointError
+from tiermem.runtime.safetensors_io import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
 

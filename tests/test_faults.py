@@ -345,7 +345,7 @@ _POINTS = {  # where the interrupt lands: (object, attribute) whose k-th call it
     "forward": ("tiermem.runtime.runtime", "Runtime", "enter"),
     "backward": ("tiermem.optim.optimizer", "TieredOptimizer", "accumulate"),
     "step": ("tiermem.optim.optimizer", "TieredOptimizer", "_update_unit"),
-    "save": ("tiermem.runtime.checkpoint", "SafetensorsWriter", "write"),
+    "save": ("tiermem.runtime.safetensors_io", "SafetensorsWriter", "write"),
     "exit": ("tiermem.offload", None, "_restore_unit"),
 }
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tiermem import tiered_offload
-from tiermem.runtime.checkpoint import CheckpointError
+from tiermem.runtime.safetensors_io import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
 

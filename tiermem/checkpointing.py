@@ -81,7 +81,7 @@ from tiermem.distributed import Ranks, gather_unit
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.io.aio import read_bytes
 from tiermem.optim import StateTensor, TieredOptimizer
-from tiermem.runtime.checkpoint import SafetensorsCheckpoint, SafetensorsWriter
+from tiermem.runtime.safetensors_io import SafetensorsCheckpoint, SafetensorsWriter
 from tiermem.runtime.unit import Unit
 from tiermem.swap import Layout, Partition, TensorSwapper
 

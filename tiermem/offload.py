@@ -25,14 +25,14 @@ from torch import nn
 
 from tiermem.checkpointing import CheckpointContents, load_checkpoint, save_checkpoint
 from tiermem.config import Config, load_config
+from tiermem.cpu_allocator import cpu_allocator, trim
 from tiermem.distributed import Ranks, chunk_specs
 from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadError, RestoreError, StoreError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.engine import IOEngine
-from tiermem.memory import cpu_allocator, trim
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
-from tiermem.runtime.checkpoint import SafetensorsCheckpoint
 from tiermem.runtime.runtime import Runtime
+from tiermem.runtime.safetensors_io import SafetensorsCheckpoint
 from tiermem.runtime.sources import WeightSources
 from tiermem.runtime.unit import Unit
 from tiermem.runtime.wrap import UnitPlan, WrapPlan, dtype_of, plan_units
@@ -288,7 +288,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     patched: dict[str, Any] = {}
     allocator = ExitStack()
     try:
-        # before the model is packed, so the compute's tensors from the first step on use it (tiermem/memory.py)
+        # before the model is packed, so the compute's tensors from the first step on use it (tiermem/cpu_allocator.py)
         allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
         runtime = _pack(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed, ranks)
         handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
@@ -512,7 +512,7 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
             log.info("tiered_offload: initialised %d tensors the checkpoint lacks, as their modules would (e.g. %s)",
                      len(sources.initialised), ", ".join(sources.initialised[:3]))
         swapper.flush()  # every NVMe partition is on disk before the first forward
-        trim()  # the model's own parameter memory is free now: give it back (see tiermem/memory.py)
+        trim()  # the model's own parameter memory is free now: give it back (see tiermem/cpu_allocator.py)
         swapper.register_pool()  # only now: registering faults in the whole pool (see TensorSwapper.__init__)
         runtime = Runtime(model, swapper, units, plan.needs, prefetch=prefetch)
     except BaseException as exc:

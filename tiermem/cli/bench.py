@@ -8,10 +8,10 @@ import os
 import sys
 from typing import Any
 
-from tiermem.benchmark import BenchSpec, run_benchmark, system_info
 from tiermem.cli.progress import ProgressBar
 from tiermem.errors import BenchArgError
 from tiermem.io.backends import BACKENDS, available_backends
+from tiermem.io.bandwidth import BenchSpec, run_benchmark, system_info
 from tiermem.io.buffers import check_io_size
 from tiermem.sizes import format_size, parse_size, short_repr
 

@@ -7,7 +7,7 @@ import json
 import os
 import platform
 
-from tiermem.benchmark import system_info
+from tiermem.io.bandwidth import system_info
 
 
 def register(sub: argparse._SubParsersAction) -> None:

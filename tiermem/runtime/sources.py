@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from tiermem.errors import CheckpointError
-from tiermem.runtime.checkpoint import SafetensorsCheckpoint
+from tiermem.runtime.safetensors_io import SafetensorsCheckpoint
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tiermem import tiered_offload
-from tiermem.memory import cpu_allocator, cpu_allocator_installed, cpu_allocator_live_bytes
+from tiermem.cpu_allocator import cpu_allocator, cpu_allocator_installed, cpu_allocator_live_bytes
 
 SMALL = {"params.tier": "cpu", "memory.host_budget": "16MiB"}
 
@@ -75,7 +75,7 @@ def test_profiler_sees_its_allocations() -> None:
 
 HEAP_GROWTH = """
     import ctypes, sys, torch
-    from tiermem.memory import cpu_allocator
+    from tiermem.cpu_allocator import cpu_allocator
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -116,7 +116,7 @@ def test_without_a_compiler_auto_warns_and_tiermem_fails(tmp_path) -> None:
         import logging, torch
         from torch import nn
         from tiermem import tiered_offload
-        from tiermem.memory import CPUAllocatorError, cpu_allocator_installed
+        from tiermem.cpu_allocator import CPUAllocatorError, cpu_allocator_installed
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
         kw = {"params.tier": "cpu", "memory.host_budget": "16MiB"}
         with tiered_offload(nn.Linear(8, 8), **kw):
@@ -144,7 +144,7 @@ def test_a_failed_build_names_the_compiler_error_and_the_setting(tmp_path, monke
     fake.write_text("#!/bin/sh\necho 'fatal error: c10/core/Allocator.h: No such file or directory' >&2\nexit 1\n")
     fake.chmod(0o755)
     code = """
-        from tiermem.memory import CPUAllocatorError, build_cpu_allocator
+        from tiermem.cpu_allocator import CPUAllocatorError, build_cpu_allocator
         try:
             build_cpu_allocator()
         except CPUAllocatorError as exc:

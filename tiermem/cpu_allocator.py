@@ -211,7 +211,7 @@ def cpu_allocator(setting: str) -> Iterator[bool]:
             if not _warned:
                 _warned = True
                 log.warning("memory.cpu_allocator: auto: using PyTorch's CPU allocator, whose freed memory glibc "
-                            "keeps resident in holes (see tiermem/memory.py): %s", exc)
+                            "keeps resident in holes (see tiermem/cpu_allocator.py): %s", exc)
             lib = None
     if lib is None:
         yield False
