@@ -21,7 +21,7 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from tiermem.errors import ConfigError
-from tiermem.sizes import SIZE_HINT, format_size, parse_size, short_repr
+from tiermem.sizes import IO_ALIGN, SIZE_HINT, format_size, parse_size, short_repr
 
 __all__ = [
     "Config",
@@ -59,9 +59,6 @@ _DTYPE_ALIASES = {
 }
 ENGINES = ("auto", "io_uring", "threads")
 
-# Direct I/O needs offsets and lengths aligned to the logical block of the drive; 4 KiB covers
-# every NVMe drive tiermem targets, so every on-disk granule is a multiple of it.
-IO_ALIGN = 4096
 MAX_QUEUE_DEPTH = 4096
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:[0-9]+)$")

@@ -56,8 +56,8 @@ class StoreError(TiermemError):
 
 
 class CorruptDataError(StoreError):
-    """With `nvme.checksum` on, bytes read back from NVMe do not match the checksum written with them; the
-    message names the partition."""
+    """With `nvme.checksum` on, bytes read back from NVMe do not match the CRC-32 taken (and kept in memory)
+    when the partition was last written; the message names the partition."""
 
 
 class BudgetError(TiermemError):

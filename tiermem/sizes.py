@@ -27,6 +27,11 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 
 SIZE_HINT = "a byte count such as 4096, 1e9, 64MiB or 1.5GiB"
 
+# Direct I/O needs offsets, lengths and addresses aligned to the drive's logical block; 4 KiB covers every NVMe
+# drive tiermem targets, so every on-disk granule (blocks, stripes, partition sizes) is a multiple of it. The one
+# definition: tiermem.io.buffers (ALIGN, aligned, check_io_size) and the config's checks take it from here.
+IO_ALIGN = 4096
+
 # The largest byte count anything can use: file offsets (off_t) and tensor sizes are signed 64-bit.
 MAX_SIZE = 2**63 - 1
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from tiermem.errors import BudgetError
 from tiermem.freelist import FreeList
-from tiermem.sizes import format_size
+from tiermem.sizes import IO_ALIGN, format_size
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ try:
 except ImportError:  # pragma: no cover - cffi is a dependency; numpy serves without it
     _ffi = None
 
-ALIGN = 4096
+ALIGN = IO_ALIGN  # tiermem/sizes.py says why
 HUGE_PAGE = 2 * 1024 * 1024
 # cudaHostRegisterPortable: the memory is pinned for all CUDA contexts, not only the current device's
 CUDA_HOST_REGISTER_PORTABLE = 1
@@ -285,7 +285,7 @@ class HostBufferPool:
         raise BudgetError(
             f"host buffer pool{where} cannot fit {format_size(size)}: {format_size(total)} free "
             f"(largest piece {format_size(largest)}) of {format_size(self.arena_bytes[arena])}; raise "
-            "memory.host_budget or lower io.block_size / io.queue_depth"
+            "memory.host_budget, or use smaller units (wrap.classes) so that each partition needs less"
         )
 
     def largest_free(self, arena: str = "main") -> int:

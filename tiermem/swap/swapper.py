@@ -268,10 +268,6 @@ class TensorSwapper:
             self.partitions[name] = part
         return part
 
-    def flat(self, part: Partition, tier: str | None = None) -> torch.Tensor:
-        """The whole partition as one uint8 tensor in `tier`'s memory (default: the device when it is there)."""
-        return part.flat(tier)
-
     def remove(self, part: Partition) -> None:
         """Forget a partition and give back its memory and swap space."""
         self.wait_idle(part)
