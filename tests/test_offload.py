@@ -246,7 +246,8 @@ def test_dtype_override_computes_in_that_dtype(tmp_path) -> None:
 
 
 def test_host_tier_larger_than_budget_is_refused_up_front(tmp_path) -> None:
-    """params.tier cpu with a model above the host budget fails before packing, naming both sizes and the fix."""
+    """params.tier cpu with a model above the host budget fails before the model is placed, naming both
+    sizes and the fix."""
     from tiermem import BudgetError
 
     model = models.gpt2()

@@ -5,7 +5,7 @@ torch.distributed process group (ZeRO-3), each rank's share in its own tiers.
 With a process group of N ranks (the default group once `torch.distributed` is initialised, e.g. under
 `torchrun`, or `process_group=`), every parameter of a unit is cut into N equal chunks of
 ceil(numel / N) elements, the last one padded with zeros; rank r keeps chunk r of each. So a rank's
-partition of a unit is the unit's parameters as 1-D chunks, packed as any partition is, and its gradient
+partition of a unit is the unit's parameters as 1-D chunks, laid out as any partition is, and its gradient
 and optimizer-state partitions are laid out from the same chunks: the update is the same elementwise
 arithmetic on 1/N of the elements, and padding (zero parameters, zero gradients, zero state) stays zero.
 

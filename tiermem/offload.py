@@ -150,7 +150,7 @@ class OffloadHandle:
             "passes": rt.passes,
             "units": len(rt.units),
             "largest_unit_bytes": max((u.nbytes for u in rt.units), default=0),
-            "resident_bytes": rt.pinned_bytes,
+            "resident_bytes": rt.resident_bytes,
             "evictions": s.evictions,
             "device_budget": self.swapper.device_cap,
             **act,
@@ -271,7 +271,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     raised = False  # the with-block raised: with several ranks, exit cannot count on the others to gather
     config = _rank_paths(load_config(config, **overrides), ranks)
     swapper = TensorSwapper(config, engine=engine)
-    swapper.defer_registration = True  # until the model's parameters are packed (_pack registers the pool)
+    swapper.defer_registration = True  # until the parameters are in their partitions (_place_model registers the pool)
     if ranks.sharded:
         try:
             settings = dataclasses.asdict(swapper.config)
@@ -288,9 +288,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     patched: dict[str, Any] = {}
     allocator = ExitStack()
     try:
-        # before the model is packed, so the compute's tensors from the first step on use it (tiermem/cpu_allocator.py)
+        # before the model is placed, so the compute's tensors from the first step on use it (tiermem/cpu_allocator.py)
         allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
-        runtime = _pack(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed, ranks)
+        runtime = _place_model(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed, ranks)
         handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
         for mod in model.modules():  # every submodule too: none of them may enter another context
             setattr(mod, _ATTR, handle)
@@ -466,7 +466,7 @@ def _undelegate(original: torch.optim.Optimizer | None, saved: dict[str, Any]) -
             setattr(original, name, saved[name])
 
 
-def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLike[str] | None,
+def _place_model(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLike[str] | None,
           prefetch: bool, optimizer: torch.optim.Optimizer | None = None,
           init_missing: str | Sequence[str] | None = None, init_seed: int | None = None,
           ranks: Ranks | None = None) -> Runtime:
@@ -503,7 +503,7 @@ def _pack(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLik
             with sources.generator():
                 _move_buffers(model, sources, swapper, moved)
                 for index, up in enumerate(plan.units):
-                    units.append(_pack_unit(index, up, swapper, sources, override, holders, optimizer,
+                    units.append(_place_unit(index, up, swapper, sources, override, holders, optimizer,
                                             ranks or Ranks()))
         finally:
             if ckpt is not None:
@@ -533,9 +533,9 @@ def _unit_specs(up: UnitPlan, override: torch.dtype | None) -> list[tuple[str, t
 
 
 def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | None) -> None:
-    """Tiers that hold every parameter in host memory must fit the host budget: say so before packing."""
+    """Tiers that hold every parameter in host memory must fit the host budget: say so before placing the model."""
     cfg = swapper.config
-    in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device" and not swapper.mover.copies)
+    in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device" and not swapper.mover.has_own_memory)
     if not in_host:
         return
     total = sum(Layout.of(_unit_specs(u, override)).size for u in plan.units)
@@ -547,7 +547,7 @@ def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | 
         )
 
 
-def _pack_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: WeightSources,
+def _place_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: WeightSources,
                override: torch.dtype | None, holders: dict[int, list[tuple[nn.Module, str]]],
                optimizer: torch.optim.Optimizer | None, ranks: Ranks) -> Unit:
     whole = _unit_specs(up, override)

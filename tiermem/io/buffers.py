@@ -13,7 +13,7 @@ Page-locking (cudaHostRegister) is what lets H2D/D2H copies run asynchronously, 
 locks every page at once, so it is the caller's decision, never implied by CUDA being installed: nothing
 is pinned unless asked for (`pin=True` at construction, or `pin()` later). A pool whose compute device is
 the CPU is never pinned; the swapper pins its pool only for a CUDA device, and only when it registers the
-pool with the I/O engine, after the model's own parameters are packed and freed, so the two never add up.
+pool with the I/O engine, after the model's own parameters are in their partitions and freed, so the two never add up.
 Registration uses cudaHostRegisterPortable, so the memory counts as pinned for every CUDA context and
 device, not only the one current on the calling thread. A failed registration also sets CUDA's per-thread
 last error, which the next kernel launch check would report as its own failure; it is read back

@@ -187,7 +187,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         parameters, gradients and state at once; backward its parameters and gradients, plus a staging copy
         of them where the device has memory of its own."""
         cfg = self.swapper.config
-        params_in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device" and not self.swapper.mover.copies)
+        params_in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device"
+                                                    and not self.swapper.mover.has_own_memory)
         in_host = {"params": params_in_host, "grads": grads_tier == "cpu", "state": cfg.optimizer.tier == "cpu"}
         permanent = sum(u.partition.size for u in units) if in_host["params"] else 0
         working = 0
@@ -198,7 +199,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             moving = {k: v for k, v in sizes.items() if not in_host[k] and v}
             update = sorted(moving.values(), reverse=True)  # the order _update_unit takes them
             backward = [moving[k] for k in ("params", "grads") if k in moving]
-            if self.swapper.mover.copies:
+            if self.swapper.mover.has_own_memory:
                 backward.append(sizes["grads"])  # _gradients_to_host's staging buffer
             working = max(working, room_needed(update), room_needed(backward))
         return permanent, working
@@ -296,7 +297,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Take one parameter's fresh gradient: on a device with memory of its own it waits there until the
         unit's backward is over (see `finish_grads`); on the CPU it is added into its fp32 accumulator now."""
         st = self.by_unit[unit_index]
-        if self.swapper.mover.copies or st.unit.ranks.sharded:  # reduce-scattered with the unit's others
+        if self.swapper.mover.has_own_memory or st.unit.ranks.sharded:  # reduce-scattered with the unit's others
             st.on_device[fqn] = grad
             return
         grads = self._hold_grads(st)
@@ -397,7 +398,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _to_host(self, flat: torch.Tensor, host: torch.Tensor) -> None:
         mover = self.swapper.mover
-        if mover.copies:
+        if mover.has_own_memory:
             mover.synchronize(mover.to_host(flat, host))
         else:  # the CPU device: `flat` is memory of its own only with several ranks
             host[: flat.numel()].copy_(flat)

@@ -174,7 +174,7 @@ class ActivationStore:
         mover = self.swapper.mover
 
         def fill(views: dict[str, torch.Tensor]) -> None:
-            if mover.copies:  # from device memory, on the copy stream; the write waits for it
+            if mover.has_own_memory:  # from device memory, on the copy stream; the write waits for it
                 rec.copying = mover.to_host(src, views["data"])
             else:
                 views["data"].copy_(src)
@@ -246,7 +246,7 @@ class ActivationStore:
         t0 = time.perf_counter()
         if not self.swapper.holds_host(part):
             self.bytes_read += part.size
-        if self.swapper.mover.copies:  # a device copy that autograd owns from here on, as without offload
+        if self.swapper.mover.has_own_memory:  # a device copy that autograd owns from here on, as without offload
             data = self.swapper.mover.tensor_to_device(self.swapper.acquire(part, "host")["data"])
             self.swapper.release(part, tier="host")
         else:  # the host buffer itself, held until the last tensor over it goes

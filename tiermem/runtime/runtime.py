@@ -70,7 +70,7 @@ class Runtime:
                                  lambda i: units[i].nbytes)
         self._depth = self.schedule.depth  # as configured; a resident plan may lower schedule.depth
         self._planned_for: list[int] | None = None  # the recorded order the resident plan was made for
-        self.pinned_bytes = 0  # bytes of the units the plan keeps in host memory
+        self.resident_bytes = 0  # bytes of the units the plan keeps in host memory
         self.handles: list[RemovableHandle] = []  # every hook we registered, removed on exit
         self._pass_depth = 0  # nesting of the model's own forward; a pass ends when it returns to 0
         self._on_device: set[int] = set()  # units whose partition is on the device (in use or kept)
@@ -316,11 +316,11 @@ class Runtime:
         gradients and optimizer state, whose reads need that room."""
         order = self.schedule.order
         self._planned_for = order
-        for j in self.schedule.pinned:
+        for j in self.schedule.resident:
             self.swapper.keep_resident(self.units[j].partition, False)
-        self.schedule.pinned = set()
+        self.schedule.resident = set()
         self.schedule.depth = self._depth
-        self.pinned_bytes = 0
+        self.resident_bytes = 0
         if (not order or self.optimizer is not None or not self.prefetch_enabled
                 or not self.swapper.config.prefetch.keep_resident):
             return
@@ -328,15 +328,15 @@ class Runtime:
         sizes = {u.index: u.partition.size for u in self.units
                  if u.index in used and u.partition.home is Tier.NVME}
         fixed = sum(p.size for p in self.swapper.partitions.values() if p.home is not Tier.NVME)
-        pinned, depth = plan_resident(sizes, self.swapper.partition_budget - fixed, self._depth)
-        for j in pinned:
+        resident, depth = plan_resident(sizes, self.swapper.partition_budget - fixed, self._depth)
+        for j in resident:
             self.swapper.keep_resident(self.units[j].partition, True)
-        self.schedule.pinned = pinned
+        self.schedule.resident = resident
         self.schedule.depth = depth
-        self.pinned_bytes = sum(sizes[j] for j in pinned)
-        if pinned:
+        self.resident_bytes = sum(sizes[j] for j in resident)
+        if resident:
             log.info("keeping %d of %d units (%s) in host memory between passes; prefetch depth %d",
-                     len(pinned), len(sizes), format_size(self.pinned_bytes), depth)
+                     len(resident), len(sizes), format_size(self.resident_bytes), depth)
 
     # -- acquire / release --------------------------------------------------------------------------
     def enter(self, i: int) -> None:
@@ -355,7 +355,7 @@ class Runtime:
             unit.depth -= 1
             raise
         if ahead is not None or sw.is_on_the_way(part, "device") or (
-                not sw.mover.copies and sw.is_on_the_way(part, "host")):
+                not sw.mover.has_own_memory and sw.is_on_the_way(part, "host")):
             self.prefetch_hits += 1
         else:
             self.prefetch_misses += 1
@@ -513,7 +513,7 @@ class Runtime:
                     self.swapper.prefetch(p, to)
             if to == "device":
                 self._on_device.add(j)
-        if self.schedule.pinned and window:  # resident units fill window places: read past them
+        if self.schedule.resident and window:  # resident units fill window places: read past them
             for j in self.schedule.read_ahead():
                 part = self.units[j].partition
                 if j not in window and not self.swapper.is_on_the_way(part, "host"):

@@ -37,7 +37,7 @@ class Schedule:
         self.hits = 0  # acquisitions that matched the prediction
         self.misses = 0  # acquisitions that did not (and any made while recording after the first pass)
         self.retraces = 0  # times the order was recorded again
-        self.pinned: set[int] = set()  # units kept in host memory between passes (see plan_resident)
+        self.resident: set[int] = set()  # units kept in host memory between passes (see plan_resident)
 
     @property
     def recording(self) -> bool:
@@ -91,7 +91,7 @@ class Schedule:
         return out
 
     def read_ahead(self) -> list[int]:
-        """The next `depth` distinct units after the cursor that are not pinned: what must be read next.
+        """The next `depth` distinct units after the cursor that are not resident: what must be read next.
         Pinned units in the window take window places but need no reading, so this looks past them."""
         out: list[int] = []
         n = len(self.order)
@@ -99,7 +99,7 @@ class Schedule:
             if len(out) >= self.depth:
                 break
             u = self.order[(self.pos + k) % n]
-            if u not in self.pinned and u not in out:
+            if u not in self.resident and u not in out:
                 out.append(u)
         return out
 
@@ -142,16 +142,16 @@ def plan_resident(sizes: dict[int, int], budget: int, depth: int) -> tuple[set[i
 
     `sizes` maps unit index to bytes, for units that rest on NVMe; returns (kept units, depth).
     """
-    pinned: set[int] = set()
+    resident: set[int] = set()
     kept = 0
     for u in sorted(sizes, key=lambda v: (-sizes[v], v)):
-        rest = max((s for v, s in sizes.items() if v not in pinned and v != u), default=0)
+        rest = max((s for v, s in sizes.items() if v not in resident and v != u), default=0)
         if kept + sizes[u] + 2 * rest <= budget:
-            pinned.add(u)
+            resident.add(u)
             kept += sizes[u]
-    if not pinned:
-        return pinned, depth
-    rest = max((s for v, s in sizes.items() if v not in pinned), default=0)
+    if not resident:
+        return resident, depth
+    rest = max((s for v, s in sizes.items() if v not in resident), default=0)
     if rest == 0:
-        return pinned, depth
-    return pinned, max(1, min(depth, (budget - kept) // rest - 1))
+        return resident, depth
+    return resident, max(1, min(depth, (budget - kept) // rest - 1))

@@ -8,7 +8,7 @@ found under
 - the name without what a PEFT wrapper adds (``base_model.model.`` in front, ``.base_layer`` inside);
 - the name with or without the model's ``base_model_prefix`` (``bert.`` ...), as transformers loads a
   BertModel checkpoint into a BertForSequenceClassification.
-A parameter the checkpoint lacks is an error naming it, before anything is packed, unless
+A parameter the checkpoint lacks is an error naming it, before anything is placed in a partition, unless
 ``init_missing`` allows it (``"missing"``: every one; or fnmatch patterns of names such as
 ``["*.lora_*", "classifier.*"]``). Such a parameter built with real values keeps them; one on the meta
 device is initialised on the CPU, unit by unit, as its module would initialise it, in module order:
@@ -99,7 +99,7 @@ class WeightSources:
         return any(fnmatch.fnmatchcase(fqn, pattern) for pattern in self.init_missing)
 
     def check(self, params: dict[str, nn.Parameter]) -> None:
-        """Raise CheckpointError naming every meta parameter that would have no source; nothing is packed yet."""
+        """Raise CheckpointError naming every meta parameter that would have no source; nothing is placed yet."""
         lacking = [fqn for fqn, p in params.items()
                    if (p.is_meta or self.ckpt is not None) and self.checkpoint_name(fqn) is None]
         refused = [fqn for fqn in lacking if not self.allowed(fqn)]
@@ -121,7 +121,7 @@ class WeightSources:
 
     @contextmanager
     def generator(self) -> Iterator[None]:
-        """Around the whole packing: with init_seed, the draws come from a generator seeded with it."""
+        """Around the placing of the whole model: with init_seed, the draws come from a generator seeded with it."""
         if self.init_seed is None:
             yield
             return

@@ -26,7 +26,7 @@ from tiermem.errors import ConfigError
 
 @dataclass
 class UnitPlan:
-    """A unit before packing: a name, the modules that anchor it, and the parameters it owns by FQN."""
+    """A unit before it is placed: a name, the modules that anchor it, and the parameters it owns by FQN."""
 
     name: str
     roots: list[nn.Module] = field(default_factory=list)

@@ -85,7 +85,7 @@ class HostCache:
         self._engine = engine  # made on first NVMe use unless given
         self.own_engine = engine is None  # close it on close() only if we made it
         # Registering the pool with the engine faults in (and pins) every page of it at once; `tiered_offload`
-        # defers that until the model's own parameters are packed and freed, so the two never add up.
+        # defers that until the model's own parameters are in their partitions and freed, so the two never add up.
         self.defer_registration = False
         self._pool_registered = False  # register_pool has handed the pool to the engine made here
         self._store: SwapStore | None = None  # made on first NVMe use
@@ -289,7 +289,7 @@ class HostCache:
         while True:
             with self.lock:
                 try:
-                    return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.pinned, arena=arena)
+                    return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.resident, arena=arena)
                 except BudgetError:
                     pass
                 victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
@@ -328,10 +328,10 @@ class HostCache:
         )
 
     def _eviction_key(self, part: Partition) -> tuple[bool, bool, float, int]:
-        """Sort key of eviction candidates: pinned ones last, then prefetched-and-not-yet-used ones; among
+        """Sort key of eviction candidates: resident ones last, then prefetched-and-not-yet-used ones; among
         the rest the one needed last first, then the least recently used."""
         later = -self.next_use(part) if self.next_use is not None else 0.0
-        return (part.pinned, part.prefetched, later, part.last_used)
+        return (part.resident, part.prefetched, later, part.last_used)
 
     def close(self) -> None:
         if self._store is not None:

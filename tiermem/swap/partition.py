@@ -50,7 +50,7 @@ class Partition:
         self.pending: IOFuture | None = None  # the one NVMe transfer in flight (READING or WRITING)
         self.free_after_write = False  # the write in flight is an eviction: drop the host buffer after
         self.waiters: list[IOFuture] = []  # futures completing when the host bytes are in
-        self.pinned = False  # kept in host memory between uses: evicted only when nothing else can be
+        self.resident = False  # kept in host memory between uses: evicted only when nothing else can be
         self.discarded = False  # contents dropped (TensorSwapper.discard): the next fetch gives zeros, no read
         # the views made last per tier, and the storage they view: the same buffer gives the same views (a
         # training step asks for every partition's views several times; making them costs more than the update

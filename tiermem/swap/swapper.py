@@ -128,7 +128,7 @@ class TensorSwapper:
         self.cache = HostCache(cfg, self._lock, self.partitions, self.ledger, pool, self.mover, engine)
         self.device_cap: int | None = cfg.memory.device_budget  # explicit, or derived by the runtime
         self._want_device: dict[str, Partition] = {}  # prefetched to the device, waiting for their host bytes
-        if not self.mover.copies:
+        if not self.mover.has_own_memory:
             self.cache.on_read = self._read_to_shared_device
         self.closed = False
 
@@ -196,7 +196,7 @@ class TensorSwapper:
     def keep_resident(self, part: Partition, keep: bool = True) -> None:
         """Keep `part` in host memory between uses (evicted only when nothing else can be), or stop."""
         with self._lock:
-            part.pinned = keep
+            part.resident = keep
 
     def derive_device_cap(self, largest_unit: int, window_bytes: int, gathered: int = 0) -> None:
         """Cap the device at what stays there for good, plus two units in use, the window and `gathered` (units
@@ -251,7 +251,7 @@ class TensorSwapper:
                         views[slot_name].copy_(t.detach())
             if tier is Tier.DEVICE:
                 self._to_device(part, prefetch=False)
-                if self.mover.copies:  # the device copy is the partition now: the host one goes
+                if self.mover.has_own_memory:  # the device copy is the partition now: the host one goes
                     with self._lock:
                         part.detach_host(self.pool, self.ledger)
         except BaseException:
@@ -473,7 +473,7 @@ class TensorSwapper:
 
     def evict_idle(self) -> None:
         """Evict every idle NVMe partition (writing back the dirty ones) and wait: the host pool is then as
-        empty as it can be, e.g. before placing long-lived partitions so they pack together."""
+        empty as it can be, e.g. before placing long-lived partitions so they sit together."""
         with self._lock:
             idle = [p for p in self.partitions.values() if p.home is Tier.NVME and not p.users and not p.waiters
                     and p.host_state is HostState.READY]
@@ -540,7 +540,7 @@ class TensorSwapper:
             host = part.host
             assert host is not None
         try:
-            data, event = self.mover.to_device(host.tensor()) if self.mover.copies else (None, None)
+            data, event = self.mover.to_device(host.tensor()) if self.mover.has_own_memory else (None, None)
         except BaseException:
             with self._lock:
                 part.drop_device(self.ledger)

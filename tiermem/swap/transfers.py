@@ -22,7 +22,7 @@ from tiermem.device import copy_device_empty, copying_device_state
 class DeviceMover:
     """The CPU compute device: the device tier is the host buffer itself, so nothing is copied."""
 
-    copies = False  # True: device memory is separate from host memory and bytes move between them
+    has_own_memory = False  # True: device memory is separate from host memory and bytes move between them
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -66,7 +66,7 @@ class DeviceMover:
 class CudaMover(DeviceMover):
     """Copies on one side stream of a CUDA device; see [Note: device copies]."""
 
-    copies = True
+    has_own_memory = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -127,7 +127,7 @@ class _CopyDone:
 class CopyingMover(DeviceMover):
     """Computes on the CPU but keeps the device tier in separate, tracked tensors."""
 
-    copies = True
+    has_own_memory = True
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return copy_device_empty(nbytes)
