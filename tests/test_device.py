@@ -16,7 +16,7 @@ from tests import models
 from tiermem import tiered_offload
 from tiermem.device import CopyingDevice, copying_device
 from tiermem.errors import BudgetError
-from tiermem.swap import TensorSwapper
+from tiermem.swap import TensorSwapper, Tier
 from tiermem.swap.transfers import CopyingMover
 
 pytest.importorskip("transformers")
@@ -106,7 +106,7 @@ def test_a_failed_copy_to_the_device_is_raised_and_uncharged(tmp_path, dev: Copy
 
         def run() -> None:
             try:
-                sw.acquire(parts[0], "device")
+                sw.acquire(parts[0], Tier.DEVICE)
                 outcome.append(None)
             except BaseException as exc:  # noqa: BLE001 - the test inspects it
                 outcome.append(exc)
@@ -118,7 +118,7 @@ def test_a_failed_copy_to_the_device_is_raised_and_uncharged(tmp_path, dev: Copy
         assert isinstance(outcome[0], torch.OutOfMemoryError)
         assert sw.stats().ledger.now["device"] == alive(dev) == 0
         monkeypatch.setattr(CopyingMover, "to_device", real)
-        tensors = sw.acquire(parts[0], "device")  # and it works once memory is there
+        tensors = sw.acquire(parts[0], Tier.DEVICE)  # and it works once memory is there
         assert dev.holds(tensors["w"]) and float(tensors["w"][0]) == 0.0
         sw.release(parts[0])
 
@@ -291,7 +291,7 @@ def test_gradients_leave_the_device_once_per_unit(tmp_path, dev: CopyingDevice) 
         assert params > len(units)  # else the test could not tell the two apart
         spans = []
         for st in units:
-            flat = tm.swapper.acquire(st.grads, "host")
+            flat = tm.swapper.acquire(st.grads, Tier.HOST)
             start = next(iter(flat.values())).data_ptr()
             spans.append((start, start + st.grads.size))
             tm.swapper.release(st.grads)
@@ -308,14 +308,14 @@ def test_a_dirty_release_copies_outside_the_swapper_lock(tmp_path, dev: CopyingD
     with TensorSwapper(**cfg(tmp_path, **{"memory.host_budget": "4MiB"})) as sw:
         part = sw.add("p", {"w": torch.zeros(4096)})
         other = sw.add("q", {"w": torch.ones(4096)})
-        views = sw.acquire(part, "device")
+        views = sw.acquire(part, Tier.DEVICE)
         views["w"].fill_(3.0)
         got_in = threading.Event()
         real = CopyingMover.to_host
 
         def slow_to_host(self: CopyingMover, d: torch.Tensor, h: torch.Tensor) -> Any:
             def use_the_swapper() -> None:
-                sw.acquire(other, "host")
+                sw.acquire(other, Tier.HOST)
                 sw.release(other)
                 got_in.set()
 
@@ -326,7 +326,7 @@ def test_a_dirty_release_copies_outside_the_swapper_lock(tmp_path, dev: CopyingD
         monkeypatch.setattr(CopyingMover, "to_host", slow_to_host)
         sw.release(part, dirty=True)
         assert got_in.is_set()
-        assert float(sw.acquire(part, "host")["w"][0]) == 3.0
+        assert float(sw.acquire(part, Tier.HOST)["w"][0]) == 3.0
         sw.release(part)
 
 
@@ -335,15 +335,15 @@ def test_a_prefetch_never_demotes_a_unit_fetched_ahead(tmp_path, dev: CopyingDev
     used (which its acquire would then have to copy again)."""
     with TensorSwapper(**cfg(tmp_path, **{"memory.host_budget": "4MiB", "memory.device_budget": "128KiB"})) as sw:
         parts = [sw.add(f"p{i}", {"w": torch.full((16384,), float(i))}) for i in range(3)]  # 64 KiB each
-        held = sw.acquire(parts[0], "device")
-        sw.prefetch(parts[1], "device")
-        assert sw.is_on_the_way(parts[1], "device")
-        sw.prefetch(parts[2], "device")  # no room: skipped
+        held = sw.acquire(parts[0], Tier.DEVICE)
+        sw.prefetch(parts[1], Tier.DEVICE)
+        assert sw.is_on_the_way(parts[1], Tier.DEVICE)
+        sw.prefetch(parts[2], Tier.DEVICE)  # no room: skipped
         sw.pump()
         assert parts[1].state.value == "on device"
         assert float(held["w"][0]) == 0.0
         sw.release(parts[0])
-        assert float(sw.acquire(parts[1], "device")["w"][0]) == 1.0
+        assert float(sw.acquire(parts[1], Tier.DEVICE)["w"][0]) == 1.0
         sw.release(parts[1])
 
 
@@ -357,7 +357,7 @@ def test_close_waits_for_the_copies_before_freeing_host_memory(tmp_path, dev: Co
     monkeypatch.setattr(HostBufferPool, "close", lambda self: (order.append("pool"), real_close(self))[1])
     sw = TensorSwapper(**cfg(tmp_path, **{"memory.host_budget": "4MiB"}))
     part = sw.add("p", {"w": torch.zeros(4096)})
-    sw.acquire(part, "device")
+    sw.acquire(part, Tier.DEVICE)
     sw.release(part)
     sw.close()
     assert order == ["copies", "pool"]

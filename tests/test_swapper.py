@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiermem.errors import BudgetError
-from tiermem.swap import CorruptDataError, Residency, StateError, TensorSwapper
+from tiermem.swap import CorruptDataError, Residency, StateError, TensorSwapper, Tier
 
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
 
@@ -59,9 +59,9 @@ def test_round_trip_every_tier_path_bit_exact(tmp_path, home: str, engine: str) 
         part = sw.add("p", src, home=home)
         assert _same(part.tensors(), src)
         for _ in range(2):
-            sw.fetch(part, "host").wait()
+            sw.fetch(part, Tier.HOST).wait()
             assert _same(part.tensors(), src)
-            got = sw.acquire(part, "device")
+            got = sw.acquire(part, Tier.DEVICE)
             assert part.state is Residency.DEVICE
             assert _same(got, src)
             sw.release(part)
@@ -97,16 +97,16 @@ def test_views_are_made_once_per_buffer(tmp_path) -> None:
     the views are new and see the new buffer's bytes."""
     with _swapper(tmp_path) as sw:
         part = sw.add("w", {"a": torch.arange(1000.0), "b": torch.ones(10)})
-        first = sw.acquire(part, "host")
+        first = sw.acquire(part, Tier.HOST)
         address = part.host.address  # type: ignore[union-attr]
         sw.release(part)
-        again = sw.acquire(part, "host")
+        again = sw.acquire(part, Tier.HOST)
         assert all(again[k] is first[k] for k in first)
         again.pop("a")  # callers get their own dict: this does not reach the next caller
         sw.release(part)
         sw.evict(part).wait()
         blocker = sw.add("blocker", {"y": torch.zeros(1010)})  # takes the piece `part` had
-        back = sw.acquire(part, "host")
+        back = sw.acquire(part, Tier.HOST)
         assert part.host.address != address  # type: ignore[union-attr]
         assert back.keys() == {"a", "b"} and back["a"] is not first["a"]
         assert back["a"].data_ptr() == part.host.address  # type: ignore[union-attr]
@@ -185,7 +185,7 @@ def test_device_budget_demotes_idle_partitions(tmp_path) -> None:
     with _swapper(tmp_path, **{"memory.device_budget": "2MiB"}) as sw:
         parts = [sw.add(f"d{i}", {"x": torch.zeros(MiB // 4)}) for i in range(4)]
         for p in parts:
-            sw.fetch(p, "device").wait()
+            sw.fetch(p, Tier.DEVICE).wait()
             assert sw.stats().ledger.now["device"] <= 2 * MiB
         assert [p.state for p in parts[:2]] == [Residency.HOST] * 2
         assert [p.state for p in parts[2:]] == [Residency.DEVICE] * 2
@@ -204,7 +204,7 @@ def test_many_partitions_in_flight_from_many_threads(tmp_path) -> None:
             try:
                 for rep in range(5):
                     for p in parts[k::4]:
-                        sw.prefetch(p, "host")
+                        sw.prefetch(p, Tier.HOST)
                     for p in parts[k::4]:
                         t = sw.acquire(p)
                         i = int(t["i"])
@@ -254,7 +254,7 @@ def test_checksum_is_one_per_partition_over_its_bytes(tmp_path) -> None:
             assert part.checksum == zlib.crc32(on_disk[: part.nbytes])
             f.seek(part.extent.start + part.nbytes)
             f.write(b"\xff" * (part.size - part.nbytes))  # the padding: not checked
-        assert torch.equal(sw.acquire(part, "host")["x"], torch.arange(1000, dtype=torch.float32))
+        assert torch.equal(sw.acquire(part, Tier.HOST)["x"], torch.arange(1000, dtype=torch.float32))
         sw.release(part)
 
 
@@ -266,7 +266,7 @@ def test_a_write_back_returns_to_host(tmp_path) -> None:
         assert part.dirty
         sw.flush()
         assert part.state is Residency.HOST and not part.dirty and part.host is not None
-        sw.acquire(part, "host")["x"].add_(1)
+        sw.acquire(part, Tier.HOST)["x"].add_(1)
         sw.release(part, dirty=True)
         sw.evict(part).wait()
         assert part.state is Residency.NVME and not part.dirty and sw.stats().ledger.now["host"] == 0
@@ -322,14 +322,14 @@ def test_discard_frees_memory_and_refills_with_zeros_without_io(tmp_path, home: 
         part = sw.add("g", {"x": torch.ones(MiB // 4), "y": torch.full((3, 5), 7.0)}, home=home)
         if home == "nvme":
             sw.evict(part).wait()
-            sw.acquire(part, "host")
+            sw.acquire(part, Tier.HOST)
             sw.release(part)
         held = sw.stats().ledger.now["host"]
         assert held == part.size
         read, written = sw.stats().bytes_read, sw.stats().bytes_written
         sw.discard(part)
         assert sw.stats().ledger.now["host"] == 0 and part.state is Residency.NVME
-        views = sw.acquire(part, "host")
+        views = sw.acquire(part, Tier.HOST)
         assert all(bool((v == 0).all()) for v in views.values())
         assert sw.stats().bytes_read == read and sw.stats().bytes_written == written
         views["x"].fill_(3.0)
@@ -338,7 +338,7 @@ def test_discard_frees_memory_and_refills_with_zeros_without_io(tmp_path, home: 
         sw.release(part, dirty=True)
         if home == "nvme":  # a discarded-then-changed partition is written back like any other
             sw.evict(part).wait()
-            assert torch.equal(sw.acquire(part, "host")["x"], torch.full((MiB // 4,), 3.0))
+            assert torch.equal(sw.acquire(part, Tier.HOST)["x"], torch.full((MiB // 4,), 3.0))
             sw.release(part)
 
 
@@ -376,7 +376,7 @@ def test_ledger_never_exceeds_budgets_under_random_use(tmp_path_factory, ops) ->
                     held.remove(i)
                     sw.release(p, dirty=op == "dirty")
                 elif op == "prefetch":
-                    started = sw.prefetch(p, "device")  # None: no host memory free right now
+                    started = sw.prefetch(p, Tier.DEVICE)  # None: no host memory free right now
                     if started is not None:
                         started.wait()
                 elif op == "evict" and i not in held:
@@ -390,7 +390,7 @@ def test_ledger_never_exceeds_budgets_under_random_use(tmp_path_factory, ops) ->
         for i in list(held):
             sw.release(parts[i])
         for i, p in enumerate(parts):
-            t = sw.acquire(p, "host")
+            t = sw.acquire(p, Tier.HOST)
             assert torch.equal(t["x"], torch.full_like(t["x"], expect[i]))
             sw.release(p)
 
@@ -409,7 +409,7 @@ def test_cuda_round_trip_through_pinned_host(tmp_path) -> None:
         got["t0_3"].add_(1)
         sw.release(part, dirty=True)
         sw.evict(part).wait()
-        back = sw.acquire(part, "host")
+        back = sw.acquire(part, Tier.HOST)
         assert torch.equal(back["t0_3"], src["t0_3"] + 1)
         sw.release(part)
 
@@ -427,8 +427,8 @@ def test_changes_during_a_write_back_are_not_lost(tmp_path, engine: str) -> None
         for step in range(150):
             for k, p in enumerate(parts):
                 if k + 1 < len(parts):
-                    sw.prefetch(parts[k + 1], "host")
-                t = sw.acquire(p, "host")  # may find p still WRITING: its bytes are on host meanwhile
+                    sw.prefetch(parts[k + 1], Tier.HOST)
+                t = sw.acquire(p, Tier.HOST)  # may find p still WRITING: its bytes are on host meanwhile
                 assert torch.all(t["a"] == step) and torch.all(t["b"] == step), (step, k)
                 t["a"] += 1
                 t["b"] += 1
@@ -437,5 +437,5 @@ def test_changes_during_a_write_back_are_not_lost(tmp_path, engine: str) -> None
         for p in parts:
             sw.wait_idle(p)
             sw.evict(p).wait()
-            assert torch.all(sw.acquire(p, "host")["a"] == 150)
+            assert torch.all(sw.acquire(p, Tier.HOST)["a"] == 150)
             sw.release(p)

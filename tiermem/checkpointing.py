@@ -83,7 +83,7 @@ from tiermem.io.aio import read_bytes
 from tiermem.optim import StateTensor, TieredOptimizer
 from tiermem.runtime.safetensors_io import SafetensorsCheckpoint, SafetensorsWriter
 from tiermem.runtime.unit import Unit
-from tiermem.swap import Layout, Partition, TensorSwapper
+from tiermem.swap import Layout, Partition, TensorSwapper, Tier
 
 log = logging.getLogger(__name__)
 
@@ -294,11 +294,11 @@ def _write_adapters(src: CheckpointContents, folder: str) -> None:
     try:
         for name, _, _, source in tensors:
             part = src.units[source.unit].partition
-            views = src.swapper.acquire(part, "host")
+            views = src.swapper.acquire(part, Tier.HOST)
             try:
                 writer.write(name, views[source.slot])
             finally:
-                src.swapper.release(part, tier="host")
+                src.swapper.release(part, tier=Tier.HOST)
     except BaseException:
         writer.discard()
         raise
@@ -370,7 +370,7 @@ def _acquire(src: CheckpointContents, key: tuple[int, bool]) -> dict[str, torch.
     """The partition's tensors on the host; with several ranks the tensors whole, gathered from every rank
     (a copy: the partition is released at once, and `_release` has nothing to do)."""
     part = _partition_for(src, key)
-    views = src.swapper.acquire(part, "host")
+    views = src.swapper.acquire(part, Tier.HOST)
     unit = src.units[key[0]]
     if not unit.ranks.sharded:
         return views
@@ -380,15 +380,15 @@ def _acquire(src: CheckpointContents, key: tuple[int, bool]) -> dict[str, torch.
         whole = unit.whole if not key[1] else Layout.of(
             [(slot.name, shapes[slot.name.split(".", 1)[1]]) for slot in part.layout.slots])
         out = torch.empty(whole.size, dtype=torch.uint8)
-        gather_unit(unit.ranks, part.flat("host"), part.layout, whole, out)
+        gather_unit(unit.ranks, part.flat(Tier.HOST), part.layout, whole, out)
         return whole.views(out)
     finally:
-        src.swapper.release(part, tier="host")
+        src.swapper.release(part, tier=Tier.HOST)
 
 
 def _release(src: CheckpointContents, key: tuple[int, bool] | None) -> None:
     if key is not None and not src.units[key[0]].ranks.sharded:
-        src.swapper.release(_partition_for(src, key), tier="host")
+        src.swapper.release(_partition_for(src, key), tier=Tier.HOST)
 
 
 class _NoWriter:
@@ -845,12 +845,12 @@ def _load(src: CheckpointContents, checked: _Checked) -> None:
     weights = checked.weights
     engine = src.swapper.engine
     for unit in src.units:
-        views = src.swapper.acquire(unit.partition, "host")
+        views = src.swapper.acquire(unit.partition, Tier.HOST)
         try:
             for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
                 _read(checked, weights, engine, fqn, views[fqn], unit.ranks, shape)
         finally:
-            src.swapper.release(unit.partition, dirty=True, tier="host")
+            src.swapper.release(unit.partition, dirty=True, tier=Tier.HOST)
     for name, buf in _persistent_buffers(src.model):  # buffers live on the device: read on the host, then copy
         staged = torch.empty(buf.shape, dtype=buf.dtype)
         checked.read_into(weights, engine, name, staged)
@@ -872,12 +872,12 @@ def _load(src: CheckpointContents, checked: _Checked) -> None:
     for index, tensors in by_unit.items():
         assert checked.states is not None  # _check_optimizer opened it: there are tensors to read
         part = opt.state_partition(index)
-        views = src.swapper.acquire(part, "host")
+        views = src.swapper.acquire(part, Tier.HOST)
         try:
             for t in tensors:
                 _read(checked, checked.states, engine, t.name, views[t.slot], src.units[index].ranks, t.shape)
         finally:
-            src.swapper.release(part, dirty=True, tier="host")
+            src.swapper.release(part, dirty=True, tier=Tier.HOST)
 
 
 def _read(checked: _Checked, reader: SafetensorsCheckpoint, engine: Any, name: str, target: torch.Tensor,

@@ -37,7 +37,7 @@ from tiermem.runtime.sources import WeightSources
 from tiermem.runtime.unit import Unit
 from tiermem.runtime.wrap import UnitPlan, WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size
-from tiermem.swap import Layout, TensorSwapper
+from tiermem.swap import Layout, TensorSwapper, Tier
 from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -688,8 +688,8 @@ def _restore_sharded(model: nn.Module, units: list[Unit], swapper: TensorSwapper
     errors: dict[int, BaseException] = {}
     for unit in units:
         try:
-            swapper.acquire(unit.partition, "host")
-            mine, held = unit.partition.flat("host"), True
+            swapper.acquire(unit.partition, Tier.HOST)
+            mine, held = unit.partition.flat(Tier.HOST), True
         except Exception as exc:  # noqa: BLE001 - reported below
             errors[unit.index] = exc
             mine, held = torch.zeros(unit.partition.size, dtype=torch.uint8), False
@@ -697,7 +697,7 @@ def _restore_sharded(model: nn.Module, units: list[Unit], swapper: TensorSwapper
             whole = unit.gather(mine, torch.empty(unit.whole.size, dtype=torch.uint8))
         finally:
             if held:
-                swapper.release(unit.partition, tier="host")
+                swapper.release(unit.partition, tier=Tier.HOST)
         _give_back(unit, whole)
     bad = torch.tensor([float(u.index in errors) for u in units])
     units[0].ranks.all_reduce(bad, "max")
@@ -724,11 +724,11 @@ def _restore_error(failed: dict[str, BaseException], context: str) -> RestoreErr
 
 def _restore_unit(unit: Unit, swapper: TensorSwapper) -> None:
     """Give the unit's Parameter objects ordinary storage again, with their values, dtype and device."""
-    tensors = swapper.acquire(unit.partition, "host")
+    tensors = swapper.acquire(unit.partition, Tier.HOST)
     try:
         _give_back(unit, tensors)
     finally:
-        swapper.release(unit.partition, tier="host")
+        swapper.release(unit.partition, tier=Tier.HOST)
 
 
 def _give_back(unit: Unit, tensors: dict[str, torch.Tensor]) -> None:

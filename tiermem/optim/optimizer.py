@@ -57,7 +57,7 @@ from tiermem.errors import OptimizerError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
-from tiermem.swap import Layout, Partition, TensorSwapper, room_needed
+from tiermem.swap import Layout, Partition, TensorSwapper, Tier, room_needed
 from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         parameters, gradients and state at once; backward its parameters and gradients, plus a staging copy
         of them where the device has memory of its own."""
         cfg = self.swapper.config
-        params_in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device"
+        params_in_host = cfg.params.tier == "cpu" or (cfg.params.tier == Tier.DEVICE
                                                     and not self.swapper.mover.has_own_memory)
         in_host = {"params": params_in_host, "grads": grads_tier == "cpu", "state": cfg.optimizer.tier == "cpu"}
         permanent = sum(u.partition.size for u in units) if in_host["params"] else 0
@@ -271,12 +271,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         def fill(views: dict[str, torch.Tensor]) -> None:
             if master_from is None:
                 return
-            params = self.swapper.acquire(master_from, "host")
+            params = self.swapper.acquire(master_from, Tier.HOST)
             try:
                 for fqn, _, _ in trainable:
                     views[f"master.{fqn}"].copy_(params[fqn])
             finally:
-                self.swapper.release(master_from, tier="host")
+                self.swapper.release(master_from, tier=Tier.HOST)
 
         return self.swapper.add(f"{unit.name}#state", state_specs, home=self.swapper.config.optimizer.tier,
                                 zero=True, fill=fill)
@@ -358,9 +358,9 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _hold_grads(self, st: UnitOptimState) -> dict[str, torch.Tensor]:
         if not st.grads_held:
-            self.swapper.acquire(st.grads, "host")
+            self.swapper.acquire(st.grads, Tier.HOST)
             st.grads_held = True
-        return st.grads.tensors("host")
+        return st.grads.tensors(Tier.HOST)
 
     def _add_grads(self, st: UnitOptimState, fresh: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
         """Copy (first micro-batch) or add (later ones) host gradients into the fp32 accumulators."""
@@ -384,7 +384,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.found_inf = True
         grads = self._hold_grads(st)
         if not any(f in st.has_grad for f in names):
-            self._to_host(flat, st.grads.flat("host"))
+            self._to_host(flat, st.grads.flat(Tier.HOST))
             st.has_grad.update(names)
             return
         staging = self.swapper.cache.alloc(st.grads)  # a host buffer the accumulators' size, evicting as needed
@@ -416,7 +416,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         # step(), and the next backward adds to these as torch's would
         if not st.has_grad:
             self.swapper.discard(st.grads)
-        elif st.grads.home.value == "nvme":
+        elif st.grads.home is Tier.NVME:
             self.swapper.evict(st.grads)
 
     def pending_parts(self, unit_index: int) -> list[Partition]:
@@ -510,7 +510,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         for st in self.units:
             if not st.has_grad:
                 continue
-            grads = self.swapper.acquire(st.grads, "host")
+            grads = self.swapper.acquire(st.grads, Tier.HOST)
             try:
                 norms.extend(torch.linalg.vector_norm(grads[f], norm_type) for f, _, _ in st.trainable
                              if f in st.has_grad)
@@ -585,9 +585,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         for k, (st, settings, fqns) in enumerate(todo):
             if k + 1 < len(todo):
                 for part in self._parts(todo[k + 1][0]):
-                    self.swapper.prefetch(part, "host")
+                    self.swapper.prefetch(part, Tier.HOST)
             self._update_unit(st, settings, fqns, done)
-            if st.state is not None and st.state.home.value == "nvme":
+            if st.state is not None and st.state.home is Tier.NVME:
                 self.swapper.evict(st.state)  # write-back starts now, overlapping the next update
 
     def _update_unit(self, st: UnitOptimState, settings: StepSettings, fqns: frozenset[str],
@@ -598,7 +598,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         views: dict[str, dict[str, torch.Tensor]] = {}
         try:
             for part in self._update_order(st):
-                views[part.name] = sw.acquire(part, "host")
+                views[part.name] = sw.acquire(part, Tier.HOST)
                 held.append(part)
             params, grads = views[st.unit.partition.name], views[st.grads.name]
             state = views[st.state.name] if st.state is not None else {}
@@ -617,7 +617,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         finally:
             for part in held:  # a unit's frozen parameters are not written back (a LoRA base's weights)
                 sw.release(part, dirty=part is not st.grads or settings.factor != 1.0,
-                           tier="host", dirty_end=st.params_end if part is st.unit.partition else None)
+                           tier=Tier.HOST, dirty_end=st.params_end if part is st.unit.partition else None)
 
     def _update_order(self, st: UnitOptimState) -> list[Partition]:
         """The order the update takes a unit's partitions in: those in host memory already first (so making
@@ -692,7 +692,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         for st in self.units:
             if not st.steps:
                 continue
-            views = self.swapper.acquire(st.state, "host") if st.state is not None else {}
+            views = self.swapper.acquire(st.state, Tier.HOST) if st.state is not None else {}
             try:
                 for fqn, p, g in st.trainable:
                     if fqn not in st.steps:
@@ -725,7 +725,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
         kinds = [k for k in self.state_kinds() if k != "master"]
         for st in self.units:
-            views = self.swapper.acquire(st.state, "host") if st.state is not None else {}
+            views = self.swapper.acquire(st.state, Tier.HOST) if st.state is not None else {}
             try:
                 for fqn, p, _ in st.trainable:
                     entry = saved_state.get(self.index_of[id(p)])

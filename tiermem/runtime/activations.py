@@ -51,6 +51,7 @@ import torch
 from tiermem.errors import BudgetError, StoreError
 from tiermem.io.buffers import align_up
 from tiermem.sizes import format_size
+from tiermem.swap import Tier
 
 if TYPE_CHECKING:
     from tiermem.swap import Partition, TensorSwapper
@@ -186,7 +187,7 @@ class ActivationStore:
             self._keep(nbytes, str(exc))
             return t
         if rec.copying is not None:
-            self.swapper.acquire(rec.part, "host")  # nothing evicts it before the copy is done
+            self.swapper.acquire(rec.part, Tier.HOST)  # nothing evicts it before the copy is done
             self._copying.append(rec)
         else:
             self._write(rec)
@@ -247,10 +248,10 @@ class ActivationStore:
         if not self.swapper.holds_host(part):
             self.bytes_read += part.size
         if self.swapper.mover.has_own_memory:  # a device copy that autograd owns from here on, as without offload
-            data = self.swapper.mover.tensor_to_device(self.swapper.acquire(part, "host")["data"])
-            self.swapper.release(part, tier="host")
+            data = self.swapper.mover.tensor_to_device(self.swapper.acquire(part, Tier.HOST)["data"])
+            self.swapper.release(part, tier=Tier.HOST)
         else:  # the host buffer itself, held until the last tensor over it goes
-            arr = self.swapper.acquire(part, "host")["data"].numpy().view(_OwnedArray)
+            arr = self.swapper.acquire(part, Tier.HOST)["data"].numpy().view(_OwnedArray)
             arr.hold = _Hold(self._returned, rec)
             rec.holds += 1
             data = torch.from_numpy(arr)
@@ -273,7 +274,7 @@ class ActivationStore:
             r = pending[k]
             if r.part is not None and r.unpacked == 0:
                 if not self.swapper.holds_host(r.part):
-                    if self.swapper.prefetch(r.part, "host") is None:
+                    if self.swapper.prefetch(r.part, Tier.HOST) is None:
                         return  # no host memory free now
                     self.bytes_read += r.part.size
                 ahead += r.part.size
@@ -301,7 +302,7 @@ class ActivationStore:
             if mover.done(rec.copying):
                 rec.copying = None
                 assert rec.part is not None
-                self.swapper.release(rec.part, tier="host")
+                self.swapper.release(rec.part, tier=Tier.HOST)
                 self._write(rec)
             else:
                 still.append(rec)
@@ -315,7 +316,7 @@ class ActivationStore:
             rec = self._returned.pop()
             rec.holds -= 1
             if rec.part is not None:
-                self.swapper.release(rec.part, tier="host")
+                self.swapper.release(rec.part, tier=Tier.HOST)
             touched.append(rec)
         while self._gone:
             rec = self._gone.pop()

@@ -308,7 +308,7 @@ class Runtime:
             window = self.schedule.window() if self.schedule.order else window
         # after a backward the optimizer's step comes next and changes these units: a device copy made now
         # would be stale before the next forward, so the window is read to the host only
-        self._prefetch(window, "host" if trained and self.optimizer is not None else "device")
+        self._prefetch(window, Tier.HOST if trained and self.optimizer is not None else Tier.DEVICE)
 
     def _plan_resident(self) -> None:
         """Choose the units kept in host memory between passes for the order just recorded; see
@@ -354,8 +354,8 @@ class Runtime:
         except BaseException:
             unit.depth -= 1
             raise
-        if ahead is not None or sw.is_on_the_way(part, "device") or (
-                not sw.mover.has_own_memory and sw.is_on_the_way(part, "host")):
+        if ahead is not None or sw.is_on_the_way(part, Tier.DEVICE) or (
+                not sw.mover.has_own_memory and sw.is_on_the_way(part, Tier.HOST)):
             self.prefetch_hits += 1
         else:
             self.prefetch_misses += 1
@@ -368,7 +368,7 @@ class Runtime:
                 tensors = self._finish_gather(unit, ahead)
             else:
                 # this unit's read is queued first; the window's reads start once it is marked in use
-                tensors = self.swapper.acquire(part, "device", before_wait=lambda: self._prefetch(window))
+                tensors = self.swapper.acquire(part, Tier.DEVICE, before_wait=lambda: self._prefetch(window))
                 if unit.ranks.sharded:  # this rank's chunks: gather the unit whole (see [Note: sharding])
                     tensors = self._finish_gather(unit, self._start_gather(unit))
         except BaseException:
@@ -399,16 +399,16 @@ class Runtime:
     def prefetch_pending(self) -> None:
         """`step()` recorded updates: start reading what the next pass's first units' updates need."""
         if self.schedule.order:
-            self._prefetch(self.schedule.window(), "host")
+            self._prefetch(self.schedule.window(), Tier.HOST)
 
     def _start_gather(self, unit: Unit) -> Gathering:
         """Start the all-gather of `unit`, whose partition is acquired on the device (released on failure)."""
         try:
             self._charge(unit, unit.ranks.world * unit.partition.size)  # the rows the gather fills
-            return unit.start_gather(unit.partition.flat("device"))
+            return unit.start_gather(unit.partition.flat(Tier.DEVICE))
         except BaseException:
             self._uncharge(unit)
-            self.swapper.release(unit.partition, tier="device")
+            self.swapper.release(unit.partition, tier=Tier.DEVICE)
             raise
 
     def _finish_gather(self, unit: Unit, g: Gathering) -> dict[str, torch.Tensor]:
@@ -418,7 +418,7 @@ class Runtime:
             tensors = unit.finish_gather(g, self.swapper.mover.empty(unit.whole.size))
         except BaseException:
             self._uncharge(unit)
-            self.swapper.release(unit.partition, tier="device")
+            self.swapper.release(unit.partition, tier=Tier.DEVICE)
             raise
         del g  # the rows go
         self._uncharge(unit, keep=unit.whole.size)
@@ -434,7 +434,7 @@ class Runtime:
         if self.optimizer is not None:
             self.optimizer.apply_pending(j)  # as enter() does; its time is the update's, not a stall
         t0 = time.perf_counter()
-        self.swapper.acquire(unit.partition, "device")  # its read was started with the window
+        self.swapper.acquire(unit.partition, Tier.DEVICE)  # its read was started with the window
         self.stall_seconds += time.perf_counter() - t0
         self._on_device.add(j)
         self._ahead = (j, self._start_gather(unit))
@@ -458,7 +458,7 @@ class Runtime:
             unit.ranks.wait(g.work)
         finally:
             self._uncharge(unit)
-            self.swapper.release(unit.partition, tier="device")
+            self.swapper.release(unit.partition, tier=Tier.DEVICE)
 
     def settle(self) -> None:
         """Finish a gather started ahead that no unit took (the with-block ends, or raised mid-pass)."""
@@ -499,25 +499,25 @@ class Runtime:
             # autocast block ends: without this, every released unit's copy would stay alive on the device
             torch.clear_autocast_cache()
         keep = not drop and bool(self.schedule.order) and i in self.schedule.window()
-        self.swapper.release(unit.partition, keep=keep, dirty=dirty, tier="device")
+        self.swapper.release(unit.partition, keep=keep, dirty=dirty, tier=Tier.DEVICE)
         if not keep:
             self._on_device.discard(i)
 
-    def _prefetch(self, window: list[int], tier: str = "device") -> None:
+    def _prefetch(self, window: list[int], tier: Tier = Tier.DEVICE) -> None:
         for j in window:
             part = self.units[j].partition
             extra = self.optimizer.pending_parts(j) if self.optimizer is not None else []
-            to = "host" if extra else tier  # its update comes first, on the host (see [Note: lazy update])
+            to = Tier.HOST if extra else tier  # its update comes first, on the host (see [Note: lazy update])
             for p in (part, *extra):
                 if not self.swapper.is_on_the_way(p, to):
                     self.swapper.prefetch(p, to)
-            if to == "device":
+            if to is Tier.DEVICE:
                 self._on_device.add(j)
         if self.schedule.resident and window:  # resident units fill window places: read past them
             for j in self.schedule.read_ahead():
                 part = self.units[j].partition
-                if j not in window and not self.swapper.is_on_the_way(part, "host"):
-                    self.swapper.prefetch(part, "host")
+                if j not in window and not self.swapper.is_on_the_way(part, Tier.HOST):
+                    self.swapper.prefetch(part, Tier.HOST)
 
     def reset_stats(self) -> None:
         if self.activations is not None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tiermem.distributed import Gathering, Ranks, finish_gather, start_gather
-from tiermem.swap import Layout, Partition
+from tiermem.swap import Layout, Partition, Tier
 
 
 class Unit:
@@ -53,7 +53,7 @@ class Unit:
 
     def keep_chunks(self) -> None:
         """Copy this rank's chunk of each bound (gathered) parameter back into the partition's device views."""
-        mine = self.partition.tensors("device")
+        mine = self.partition.tensors(Tier.DEVICE)
         with torch.no_grad():
             for fqn, p in self.params:
                 self.ranks.keep_mine(p.data, mine[fqn])

@@ -214,7 +214,7 @@ class HostCache:
             self.complete_waiters(part)
 
     def complete_waiters(self, part: Partition) -> None:
-        if part.reached("host") and part.waiters:
+        if part.reached(Tier.HOST) and part.waiters:
             waiters, part.waiters = part.waiters, []
             for f in waiters:
                 f._chunk_done(None)

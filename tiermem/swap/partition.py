@@ -43,7 +43,7 @@ class Partition:
         self.dirty_end = 0  # while dirty: the bytes from the start that may differ; the rest equals the NVMe copy
         self.version = 0  # bumped on every change of the host copy; a write-back is current only if equal
         self.written_version = -1  # `version` captured when the write in flight started
-        self.holders: Counter[str] = Counter()  # acquire() not yet released, by tier ('host', 'device')
+        self.holders: Counter[Tier] = Counter()  # acquire() not yet released, by tier (HOST, DEVICE)
         self.prefetched = False  # fetched ahead and not acquired since: evicted only when nothing else can be
         self.want_device = False  # a prefetch asked for the device: copy once the host bytes are in
         self.last_used = 0  # swapper clock at the last fetch or release, for LRU eviction
@@ -86,9 +86,9 @@ class Partition:
         """The host buffer holds the partition's bytes (not still being read)."""
         return self.host_state in (HostState.READY, HostState.WRITING)
 
-    def reached(self, tier: str) -> bool:
+    def reached(self, tier: Tier) -> bool:
         """Whether the bytes are usable in `tier` ('host' or 'device') now."""
-        if tier == "device":
+        if tier == Tier.DEVICE:
             return self.device_state is DeviceState.READY
         return self.has_host_bytes()
 
@@ -176,7 +176,7 @@ class Partition:
         self._views.pop("device", None)
 
     # -- views ----------------------------------------------------------------------------------------
-    def tensors(self, tier: str | None = None) -> dict[str, torch.Tensor]:
+    def tensors(self, tier: Tier | None = None) -> dict[str, torch.Tensor]:
         """The partition's tensors as views of its memory in `tier` ('host' or 'device'; default: the
         device when it is there, else the host), by name."""
         backing = self._backing(tier)
@@ -188,20 +188,20 @@ class Partition:
             self._views[key] = cached
         return dict(cached[1])
 
-    def flat(self, tier: str | None = None) -> torch.Tensor:
+    def flat(self, tier: Tier | None = None) -> torch.Tensor:
         """The whole partition as one uint8 tensor in `tier`'s memory (default as for `tensors`)."""
         backing = self._backing(tier)
         return backing if isinstance(backing, torch.Tensor) else backing.tensor()
 
-    def _backing(self, tier: str | None) -> torch.Tensor | PoolBuffer:
+    def _backing(self, tier: Tier | None) -> torch.Tensor | PoolBuffer:
         if tier is None:
-            tier = "device" if self.device_state is DeviceState.READY else "host"
-        if tier == "device" and self.device_state is DeviceState.READY:
+            tier = Tier.DEVICE if self.device_state is DeviceState.READY else Tier.HOST
+        if tier == Tier.DEVICE and self.device_state is DeviceState.READY:
             if self.device_data is not None:
                 return self.device_data
             assert self.host is not None  # the CPU device: the host buffer is the device copy
             return self.host
-        if tier == "host" and self.has_host_bytes():
+        if tier == Tier.HOST and self.has_host_bytes():
             assert self.host is not None
             return self.host
         raise StateError(f"partition {self.name!r} is {self.state.value}; acquire or fetch it in {tier} memory "

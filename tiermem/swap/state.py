@@ -54,11 +54,24 @@ import enum
 
 
 class Tier(str, enum.Enum):
-    """Where bytes can rest: the compute device, (pinned) host memory, or NVMe swap files."""
+    """Where bytes can rest: the compute device, host memory, or NVMe swap files. The swapper's calls name
+    the tier to bring a partition to with these (`Tier.HOST`, `Tier.DEVICE`)."""
 
     DEVICE = "device"
-    CPU = "cpu"
+    HOST = "host"
     NVME = "nvme"
+
+    @classmethod
+    def of(cls, word: str | Tier) -> Tier:
+        """The tier a config value names: `*.tier: cpu` (the configs' word for host memory) is HOST."""
+        if isinstance(word, Tier):
+            return word
+        if word == "cpu":
+            return cls.HOST
+        try:
+            return cls(word)
+        except ValueError:
+            raise ValueError(f"expected one of device, cpu, nvme, got {word!r}") from None
 
 
 class HostState(enum.Enum):

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CorruptDataError", "SwapStats", "TensorSwapper"]
 
-TIERS = ("host", "device")
+TIERS = (Tier.HOST, Tier.DEVICE)  # the tiers a partition is brought to and held in
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class _DeviceFetch(IOFuture):
         self._host = host
 
     def done(self) -> bool:
-        return self._part.reached("device") or super().done()
+        return self._part.reached(Tier.DEVICE) or super().done()
 
     def wait(self, timeout: float | None = None) -> int:
         if not super().done():
@@ -173,10 +173,10 @@ class TensorSwapper:
         (and while `next_use` returns 0 for all, before an order is known), the least recently used goes first."""
         self.cache.next_use = next_use
 
-    def is_on_the_way(self, part: Partition, tier: str = "device") -> bool:
+    def is_on_the_way(self, part: Partition, tier: Tier = Tier.DEVICE) -> bool:
         """Whether `part` is usable in `tier` now, or a transfer toward it has started."""
         with self._lock:
-            if tier == "device":
+            if tier == Tier.DEVICE:
                 return part.device_state is not DeviceState.NONE or part.want_device
             return part.host_state is not HostState.NONE
 
@@ -227,9 +227,9 @@ class TensorSwapper:
             self.pool.pin()  # for asynchronous copies; tiered_offload pins later, in register_pool
         items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
         try:
-            tier = Tier(home)
-        except ValueError:
-            raise ValueError(f"home: expected one of device, cpu, nvme, got {home!r}") from None
+            tier = Tier.of(home)
+        except ValueError as exc:
+            raise ValueError(f"home: {exc}") from None
         with self._lock:
             if name in self.partitions:
                 raise ValueError(f"a partition named {name!r} exists already")
@@ -240,10 +240,10 @@ class TensorSwapper:
             buf = self.cache.alloc(part)
             with self._lock:
                 part.attach_host(buf, self.ledger)
-            views = part.tensors("host")
+            views = part.tensors(Tier.HOST)
             with torch.no_grad():
                 if zero:
-                    part.flat("host").zero_()
+                    part.flat(Tier.HOST).zero_()
                 if fill is not None:
                     fill(views)
                 elif not zero:
@@ -283,7 +283,7 @@ class TensorSwapper:
             del self.partitions[part.name]
 
     # -- moving -------------------------------------------------------------------------------------
-    def fetch(self, part: Partition, tier: str = "device", *, wait_for_memory: bool = True) -> IOFuture:
+    def fetch(self, part: Partition, tier: Tier = Tier.DEVICE, *, wait_for_memory: bool = True) -> IOFuture:
         """Start moving `part` up to `tier` ('host' or 'device'); return a future that completes there.
 
         The copy to the device is made by the thread that waits on the future (or by `acquire`/`prefetch`
@@ -291,17 +291,17 @@ class TensorSwapper:
         for write-backs or reads in flight to free host memory (what a prefetch wants: never stall).
         """
         _check_tier(tier)
-        if tier == "device" and part.reached("device"):
+        if tier == Tier.DEVICE and part.reached(Tier.DEVICE):
             return done_future()
         host = self._fetch_host(part, wait_for_memory)
-        return _DeviceFetch(self, part, host) if tier == "device" else host
+        return _DeviceFetch(self, part, host) if tier == Tier.DEVICE else host
 
     def _fetch_host(self, part: Partition, wait_for_memory: bool) -> IOFuture:
         with self._lock:
             self._clock += 1
             part.last_used = self._clock
             fut = IOFuture(part.size, 1)
-            if part.reached("host"):
+            if part.reached(Tier.HOST):
                 fut._chunk_done(None)
                 return fut
             part.waiters.append(fut)
@@ -326,14 +326,14 @@ class TensorSwapper:
                     raise
         return fut
 
-    def prefetch(self, part: Partition, tier: str = "device") -> IOFuture | None:
+    def prefetch(self, part: Partition, tier: Tier = Tier.DEVICE) -> IOFuture | None:
         """Start a fetch that never blocks: None (nothing started) when host memory is not free now.
 
         Toward the device, the copy starts now if the host bytes are in, else at the next `acquire` or
         `prefetch` after they arrive; it is skipped when the device has no room (see [Note: device budget]).
         """
         _check_tier(tier)
-        if tier == "device" and part.reached("device"):
+        if tier == Tier.DEVICE and part.reached(Tier.DEVICE):
             return done_future()
         try:
             fut = self._fetch_host(part, wait_for_memory=False)
@@ -341,7 +341,7 @@ class TensorSwapper:
             return None
         with self._lock:
             part.prefetched = True
-            if tier == "device":
+            if tier == Tier.DEVICE:
                 part.want_device = True
                 self._want_device[part.name] = part
         self.pump()
@@ -361,7 +361,7 @@ class TensorSwapper:
                 except Exception as exc:  # noqa: BLE001 - a prefetch is a hint: the acquire retries and reports
                     log.warning("prefetching partition %r to %s failed: %s", p.name, self.device, str(exc))
 
-    def acquire(self, part: Partition, tier: str = "device",
+    def acquire(self, part: Partition, tier: Tier = Tier.DEVICE,
                 before_wait: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
         """Bring `part` to `tier`, wait, mark it in use, and return its tensors there (views).
 
@@ -372,7 +372,7 @@ class TensorSwapper:
         self.pump()
         fut = None
         with self._lock:
-            there = tier == "device" and part.reached("device")
+            there = tier == Tier.DEVICE and part.reached(Tier.DEVICE)
             if there:  # held in the same breath, so nothing demotes it in between
                 part.holders[tier] += 1
         while not there:
@@ -391,17 +391,17 @@ class TensorSwapper:
                 before_wait()
             if fut is not None:
                 fut.wait()
-            if tier == "device":
+            if tier == Tier.DEVICE:
                 self._to_device(part, prefetch=False)
         except BaseException:
             with self._lock:
                 part.holders[tier] -= 1
             raise
-        if tier == "device" and part.device_data is not None:
+        if tier == Tier.DEVICE and part.device_data is not None:
             self.mover.use_on_compute(part.device_data, part.ready_event)
         return part.tensors(tier)
 
-    def release(self, part: Partition, *, dirty: bool = False, keep: bool = False, tier: str | None = None,
+    def release(self, part: Partition, *, dirty: bool = False, keep: bool = False, tier: Tier | None = None,
                 dirty_end: int | None = None) -> None:
         """End one use in `tier` (default: the only tier it is held in). `dirty`: its tensors changed there
         (with `dirty_end`, only in its first that many bytes: a write-back writes no more).
@@ -417,14 +417,14 @@ class TensorSwapper:
                 if len(held) > 1:
                     raise StateError(f"partition {part.name!r} is held in {' and '.join(held)}; say which tier "
                                      "release() ends")
-                tier = held[0] if held else "device"
+                tier = held[0] if held else Tier.DEVICE
             if part.holders[tier] <= 0:
                 raise StateError(f"partition {part.name!r} released more often than acquired (in {tier} memory)")
             device, host = part.device_data, part.host
         if dirty:  # the copy outside the lock: the partition is still held, so nothing moves it meanwhile
-            if tier == "device" and device is not None and host is not None:
+            if tier == Tier.DEVICE and device is not None and host is not None:
                 self.mover.synchronize(self.mover.to_host(device, host.tensor()))
-            elif tier == "host" and device is not None and host is not None:
+            elif tier == Tier.HOST and device is not None and host is not None:
                 part.ready_event = self.mover.to_device_into(host.tensor(), device)
         with self._lock:
             part.holders[tier] -= 1
@@ -623,6 +623,6 @@ class TensorSwapper:
         self.close()
 
 
-def _check_tier(tier: str) -> None:
+def _check_tier(tier: Tier) -> None:
     if tier not in TIERS:
-        raise ValueError(f"tier: expected 'host' or 'device', got {tier!r}")
+        raise ValueError(f"tier: expected Tier.HOST or Tier.DEVICE, got {tier!r}")
