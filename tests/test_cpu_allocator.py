@@ -157,3 +157,42 @@ def test_a_failed_build_names_the_compiler_error_and_the_setting(tmp_path, monke
     assert "memory.cpu_allocator: torch" in done.stdout
     assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
 
+
+
+MMAP_PROBE = """
+    import ctypes, ctypes.util
+    from tiermem.cpu_allocator import cpu_allocator
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def mapped(nbytes):  # whether glibc serves a malloc of nbytes with a mapping of its own (above its threshold)
+        before = libc.mallinfo2().hblks
+        p = libc.malloc(nbytes)
+        got = libc.mallinfo2().hblks > before
+        libc.free(p)
+        return got
+
+    with cpu_allocator("tiermem") as used:
+        assert used
+        inside = [mapped(4 << 20), mapped(16 << 20)]
+    libc.malloc_trim(0)  # the heap's free top, kept while inside, would serve the next block whatever the thresholds
+    print("inside", inside, "after", [mapped(4 << 20), mapped(4 << 20), mapped(16 << 20)])
+"""
+
+
+def test_glibc_thresholds_are_put_back_when_the_last_context_exits() -> None:
+    """Inside the context glibc keeps blocks up to 32 MiB in its heap; after it, its thresholds are back where they
+    started (128 KiB: every 4 MiB block gets a mapping of its own, again and again), or where the environment set
+    them (8 MiB: 4 MiB blocks stay in the heap, 16 MiB ones do not)."""
+    res = run_python(MMAP_PROBE)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "inside [False, False] after [True, True, True]" in res.stdout, res.stdout
+    res = run_python(MMAP_PROBE, env={"MALLOC_MMAP_THRESHOLD_": str(8 << 20)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "inside [False, False] after [False, False, True]" in res.stdout, res.stdout

@@ -14,9 +14,9 @@ of RSS against 1064-1072 MiB with the allocator below (docs/benchmarks.md).
 ``memory.cpu_allocator: auto`` (the default) therefore makes PyTorch's CPU allocator, for the time of the
 context, one that takes the same 64-byte aligned memory with plain malloc of the size plus 80 bytes
 (csrc/tm_cpu_alloc.cpp, whose header comment gives the block layout): the same tensor coming back asks
-for the same size, and a freed hole fits it. With it, glibc's trim and mmap thresholds are fixed for the
-rest of the process (see `_tune_glibc`), so that a step's temporaries stay resident for the next step
-instead of being given back and faulted in again. It is C++ against the installed torch's headers, so it
+for the same size, and a freed hole fits it. With it, glibc's trim and mmap thresholds are raised while a
+context uses it (see `_tune_glibc`; `_untune_glibc` puts them back), so that a step's temporaries stay
+resident for the next step instead of being given back and faulted in again. It is C++ against the installed torch's headers, so it
 is built at first use with the system's C++ compiler and cached (see `_cache_dir`); ``auto`` falls back
 to PyTorch's allocator, with a warning, when it cannot be built, and ``tiermem`` makes that an error.
 Tensors keep the deleter of the allocator that made them, so putting PyTorch's back when the last
@@ -66,8 +66,37 @@ TRIM_THRESHOLD = 256 << 20
 MMAP_THRESHOLD = 32 << 20  # the most glibc's dynamic threshold reaches on 64-bit
 
 
+# glibc's thresholds before tiermem sets them: what the environment asked for, else glibc's defaults (128 KiB)
+_GLIBC_BEFORE = ((M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_"), (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_"))
+_GLIBC_DEFAULT = 128 << 10
+
+
+def _mallopt(settings: tuple[tuple[int, int], ...]) -> None:
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
+        return
+    for param, value in settings:
+        if not mallopt(param, value):
+            log.debug("mallopt(%d, %d) was refused", param, value)
+
+
+def _untune_glibc() -> None:
+    """Put glibc's thresholds back as they were before `_tune_glibc`: the values of MALLOC_MMAP_THRESHOLD_ and
+    MALLOC_TRIM_THRESHOLD_ when the environment set them, else glibc's starting values (128 KiB each). glibc
+    has no call that reads them, nor one that turns its dynamic adjustment back on, so after a context the
+    thresholds stay where glibc starts, no longer growing with the sizes freed."""
+    settings = []
+    for param, env in _GLIBC_BEFORE:
+        try:
+            settings.append((param, int(os.environ.get(env, _GLIBC_DEFAULT))))
+        except ValueError:
+            settings.append((param, _GLIBC_DEFAULT))
+    _mallopt(tuple(settings))
+
+
 def _tune_glibc() -> None:
-    """Keep the compute's memory in the heap and resident between steps (glibc's mallopt), for good.
+    """Keep the compute's memory in the heap and resident between steps (glibc's mallopt), while a context
+    uses tiermem's allocator (`_untune_glibc` when the last one exits).
 
     glibc gives the free memory at the top of its heap back to the OS when it exceeds the trim threshold
     (dynamically twice the mmap threshold, at most 64 MiB). Once the heap keeps no holes, a step's
@@ -76,12 +105,7 @@ def _tune_glibc() -> None:
     RSS (memory is given back after the peak, never before it). Setting it turns glibc's dynamic
     thresholds off, so the mmap threshold is fixed too, at the 32 MiB the dynamic one ends up at.
     """
-    mallopt = _libc_function("mallopt")
-    if mallopt is None:
-        return
-    for param, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        if not mallopt(param, value):
-            log.debug("mallopt(%d, %d) was refused", param, value)
+    _mallopt(((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
 
 
 def trim() -> None:
@@ -203,7 +227,8 @@ def cpu_allocator(setting: str) -> Iterator[bool]:
             if not lib.tm_cpu_alloc_install():
                 raise CPUAllocatorError("another CPU allocator was registered with a higher priority and keeps its "
                                         "place; set memory.cpu_allocator: torch")
-            _tune_glibc()
+            if _users == 0:
+                _tune_glibc()
             _users += 1
         except CPUAllocatorError as exc:
             if setting == "tiermem":
@@ -223,3 +248,4 @@ def cpu_allocator(setting: str) -> Iterator[bool]:
             _users -= 1
             if _users == 0:
                 lib.tm_cpu_alloc_uninstall()
+                _untune_glibc()
