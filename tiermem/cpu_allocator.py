@@ -17,8 +17,9 @@ context, one that takes the same 64-byte aligned memory with plain malloc of the
 for the same size, and a freed hole fits it. With it, glibc's trim and mmap thresholds are raised while a
 context uses it (see `_tune_glibc`; `_untune_glibc` puts them back), so that a step's temporaries stay
 resident for the next step instead of being given back and faulted in again. It is C++ against the
-installed torch's headers, so it is built at first use with the system's C++ compiler and cached (see `_cache_dir`); ``auto`` falls back
-to PyTorch's allocator, with a warning, when it cannot be built, and ``tiermem`` makes that an error.
+installed torch's headers, so it is built at first use with the system's C++ compiler and cached (see
+`_cache_dir`); ``auto`` falls back to PyTorch's allocator, with a warning, when it cannot be built, and
+``tiermem`` makes that an error.
 Tensors keep the deleter of the allocator that made them, so putting PyTorch's back when the last
 context using tiermem's exits frees everything correctly.
 
