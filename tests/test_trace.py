@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,42 @@ def test_tiermem_report_reads_a_real_trace_and_refuses_what_is_not_one(tmp_path,
     (tmp_path / "no.json").write_text('{"a": 1}')
     assert main(["report", str(tmp_path / "no.json")]) == 2
     assert "no.json: cannot read it as a tiermem trace" in capsys.readouterr().err
+    # --plot draws the same trace into a PNG of the figure's size; an unwritable path is an error naming it
+    assert main(["report", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png")]) == 0
+    assert f"drawn into {tmp_path / 't.png'}" in capsys.readouterr().out
+    png = (tmp_path / "t.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1200, 650)
+    assert main(["report", str(tmp_path / "t.json"), "--plot", str(tmp_path / "none" / "t.png")]) == 2
+    assert f"--plot {tmp_path / 'none' / 't.png'}: cannot write it" in capsys.readouterr().err
+
+
+def test_the_plot_draws_every_span_and_the_waits_per_unit(tmp_path, monkeypatch) -> None:
+    """plot() on known spans: one timeline row per track that has spans, a bar per span on it, and below one
+    bar per unit waited for, its height the unit's waits in seconds (50 µs for b), as plot() returns them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tiermem.trace import plot
+
+    drawn = []
+    real_savefig = plt.Figure.savefig
+
+    def keep(fig, *args, **kwargs):  # look at what is drawn before the figure is closed
+        drawn.append(fig)
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep)
+    stalls = plot(_synthetic(), tmp_path / "s.png")
+    assert stalls == {"b": pytest.approx(50e-6)}
+    timeline, bars = drawn[0].axes
+    rows = [t.get_text() for t in timeline.get_yticklabels()]
+    assert rows == ["compute", "wait", "nvme read"]
+    spans = {row: len(c.get_paths()) for row, c in zip(rows, timeline.collections, strict=True)}
+    events = _synthetic()["traceEvents"]
+    tid = {e["args"]["name"]: e["tid"] for e in events if e.get("ph") == "M"}
+    assert spans == {row: sum(1 for e in events if e.get("ph") == "X" and e["tid"] == tid[row]) for row in rows}
+    assert [p.get_height() for p in bars.patches] == [pytest.approx(50e-6)]
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["b"]
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

@@ -97,10 +97,9 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
     return total
 
 
-def summarize(trace: dict[str, Any]) -> dict[str, Any]:
-    """What a trace says: time busy computing, updating, waiting and moving bytes (seconds), how much of the
-    I/O ran while compute did, the units waited for longest, the bandwidth achieved per direction, and what
-    to change. Raises ValueError when `trace` is not a tiermem trace."""
+def _spans_by_track(trace: Any) -> tuple[dict[str, list[dict[str, Any]]], float, float]:
+    """The trace's spans per track, when the first began and how long they lasted in all (microseconds).
+    Raises ValueError when `trace` is not a tiermem trace."""
     events = trace.get("traceEvents") if isinstance(trace, dict) else None
     if not isinstance(events, list):
         raise ValueError("not a trace: no traceEvents list (write one with trace.path or tm.trace(path))")
@@ -113,17 +112,67 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     if not spans:
         raise ValueError("the trace has no spans: nothing ran while it was recorded")
     start = min(e["ts"] for e in spans)
-    wall = max(e["ts"] + e["dur"] for e in spans) - start
+    return by_track, start, max(e["ts"] + e["dur"] for e in spans) - start
+
+
+def _waits_by_unit(by_track: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """Microseconds compute waited for each unit, in all."""
+    waits: dict[str, float] = {}
+    for e in by_track["wait"]:
+        name = e["name"].removeprefix("wait ")
+        waits[name] = waits.get(name, 0.0) + e["dur"]
+    return waits
+
+
+def plot(trace: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, float]:
+    """Draw the trace into the PNG `path` (matplotlib): above, the timeline, a row per track (compute,
+    updates, waits, reads, writes) with a bar per span; below, the seconds compute waited for each unit, a
+    bar per unit in the order they were first waited for. Returns those seconds per unit. Raises ValueError
+    when `trace` is not a tiermem trace, ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    by_track, start, wall = _spans_by_track(trace)
+    stalls = {k: v / 1e6 for k, v in _waits_by_unit(by_track).items()}
+    fig, (timeline, bars) = plt.subplots(2, 1, figsize=(12, 6.5), gridspec_kw={"height_ratios": [3, 2]})
+    try:
+        rows = [t for t in ("compute", "optimizer", "wait", "nvme read", "nvme write") if by_track[t]]
+        colors = {"compute": "tab:blue", "optimizer": "tab:green", "wait": "tab:red", "nvme read": "tab:orange",
+                  "nvme write": "tab:purple"}
+        for y, track in enumerate(rows):
+            timeline.broken_barh([((e["ts"] - start) / 1e6, e["dur"] / 1e6) for e in by_track[track]],
+                                 (y - 0.4, 0.8), facecolors=colors[track])
+        timeline.set_yticks(range(len(rows)), rows)
+        timeline.invert_yaxis()
+        timeline.set_xlim(0, wall / 1e6)
+        timeline.set_xlabel("seconds from the start of recording")
+        timeline.set_title("timeline (transfers overlap on their rows: one bar per transfer in flight)")
+        names = list(stalls)
+        bars.bar(range(len(names)), [stalls[n] for n in names], color="tab:red")
+        bars.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+        bars.set_ylabel("seconds waited")
+        bars.set_title(f"waits per unit: {sum(stalls.values()):.3f} s in all" if names else "no waits recorded")
+        fig.tight_layout()
+        fig.savefig(os.fspath(path), dpi=100)
+    finally:
+        plt.close(fig)
+    return stalls
+
+
+def summarize(trace: dict[str, Any]) -> dict[str, Any]:
+    """What a trace says: time busy computing, updating, waiting and moving bytes (seconds), how much of the
+    I/O ran while compute did, the units waited for longest, the bandwidth achieved per direction, and what
+    to change. Raises ValueError when `trace` is not a tiermem trace."""
+    by_track, start, wall = _spans_by_track(trace)
 
     def busy(track: str) -> list[tuple[float, float]]:
         return _union([(e["ts"], e["ts"] + e["dur"]) for e in by_track[track]])
 
     working = _union(busy("compute") + busy("optimizer"))
     io = _union(busy("nvme read") + busy("nvme write"))
-    waits: dict[str, float] = {}
-    for e in by_track["wait"]:
-        name = e["name"].removeprefix("wait ")
-        waits[name] = waits.get(name, 0.0) + e["dur"]
+    waits = _waits_by_unit(by_track)
     out: dict[str, Any] = {
         "wall_seconds": wall / 1e6,
         "compute_seconds": _length(busy("compute")) / 1e6,

@@ -12,11 +12,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="summarize a timeline trace: compute, waits, I/O overlap, what to change")
     p.add_argument("trace", help="a trace written by trace.path or tm.trace(path)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="PNG", help="also draw the timeline and the waits per unit into this PNG "
+                   "(needs matplotlib: pip install 'tiermem[plot]')")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiermem.trace import summarize
+    from tiermem.trace import plot, summarize
 
     try:
         with open(args.trace, encoding="utf-8") as f:
@@ -24,6 +26,15 @@ def run(args: argparse.Namespace) -> int:
         s = summarize(trace)
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ConfigError(f"{args.trace}: cannot read it as a tiermem trace: {exc}") from exc
+    if args.plot:
+        try:
+            plot(trace, args.plot)
+        except ImportError as exc:
+            raise ConfigError(f"--plot: drawing needs matplotlib ({exc}); pip install 'tiermem[plot]', or leave "
+                              "--plot out") from exc
+        except OSError as exc:
+            raise ConfigError(f"--plot {args.plot}: cannot write it ({exc.strerror or exc}); pass a writable path "
+                              "ending in .png") from exc
     if args.json:
         print(json.dumps(s, indent=2))
         return 0
@@ -41,4 +52,6 @@ def run(args: argparse.Namespace) -> int:
         print("  waited longest for: " + ", ".join(f"{k} {v:.3f} s" for k, v in s["waits_by_unit"].items()))
     for line in s["advice"]:
         print(f"advice: {line}")
+    if args.plot:
+        print(f"drawn into {args.plot}")
     return 0
