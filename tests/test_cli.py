@@ -38,14 +38,15 @@ def test_bench_io_json_has_the_contract_keys_and_positive_figures(tmp_path) -> N
 
 
 def test_bench_io_human_output_and_plot(tmp_path) -> None:
-    """Human mode prints the header and table, a progress line, and writes the PNG plot."""
+    """Human mode prints the header and table and writes the PNG plot; stderr is not a terminal here, so no
+    progress bar is drawn into it."""
     plot = tmp_path / "bw.png"
     res = _tiermem("bench", "io", "--path", str(tmp_path / "d"), "--size", "4MiB", "--runs", "1",
                    "--engine", "threads", "--mode", "read", "--block-size", "256KiB", "--plot", str(plot))
     assert res.returncode == 0, res.stderr
     assert "tiermem bench io" in res.stdout and "GB/s" in res.stdout and "CPU s/GiB" in res.stdout
     assert "threads   read" in res.stdout
-    assert "progress" in res.stderr
+    assert "%|" not in res.stderr and "progress" not in res.stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -149,3 +150,23 @@ def test_training_demo_runs_small(tmp_path) -> None:
     assert "step time" in res.stdout and "checkpoint written to" in res.stdout
     assert (tmp_path / "train-checkpoint" / "model.safetensors.index.json").exists()
     assert not (tmp_path / "swap-train").exists()
+
+
+def test_the_progress_bar_draws_on_a_terminal_only() -> None:
+    """On a terminal the bar (tqdm) shows the label and reaches 100%; anywhere else it writes nothing."""
+    import io
+
+    from tiermem.cli.progress import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term, pipe = Terminal(), io.StringIO()
+    for stream in (term, pipe):
+        bar = ProgressBar(stream)
+        for k in range(1, 5):
+            bar(k, 4, f"read {k}/4")
+        bar.close()
+    assert "read 4/4" in term.getvalue() and "100%" in term.getvalue() and "4/4" in term.getvalue()
+    assert pipe.getvalue() == ""

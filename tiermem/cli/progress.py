@@ -1,41 +1,33 @@
-"""A dependency-free progress bar on stderr: redrawn in place on a terminal, a line per 10% otherwise."""
+"""Progress bars on stderr for long CLI work (`tiermem bench io`, the demo), drawn by tqdm; hidden when
+stderr is not a terminal, so logs and pipes get no bar lines."""
 
 from __future__ import annotations
 
 import sys
-import time
-from typing import TextIO
+from typing import Any, TextIO
+
+from tqdm import tqdm
 
 
 class ProgressBar:
-    """Call with (done, total, label); `close()` ends the line."""
+    """Call with (done, total, label) as work advances; `close()` ends the bar. Nothing is drawn when the
+    stream is not a terminal."""
 
-    def __init__(self, stream: TextIO | None = None, width: int = 30) -> None:
+    def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
-        self.width = width
-        self.tty = self.stream.isatty()
-        self._last_draw = 0.0  # throttle terminal redraws to 10 per second
-        self._last_decile = -1  # when not a terminal, one line per 10% step
+        self.shown = self.stream.isatty()
+        self._bar: Any = None  # made at the first call, when the total is known
 
     def __call__(self, done: int, total: int, label: str) -> None:
-        frac = min(1.0, done / total) if total else 1.0
-        if self.tty:
-            now = time.monotonic()
-            if now - self._last_draw < 0.1 and frac < 1.0:
-                return
-            self._last_draw = now
-            filled = int(frac * self.width)
-            bar = "#" * filled + "-" * (self.width - filled)
-            self.stream.write(f"\r[{bar}] {frac:6.1%}  {label:<40.40}")
-            self.stream.flush()
-        else:
-            decile = int(frac * 10)
-            if decile != self._last_decile:
-                self._last_decile = decile
-                self.stream.write(f"progress {frac:6.1%}  {label}\n")
-                self.stream.flush()
+        if not self.shown:
+            return
+        if self._bar is None or self._bar.total != total:
+            self.close()
+            self._bar = tqdm(total=total, file=self.stream, leave=True, dynamic_ncols=True, mininterval=0.1)
+        self._bar.set_description_str(label, refresh=False)
+        self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
