@@ -152,6 +152,25 @@ def test_training_demo_runs_small(tmp_path) -> None:
     assert not (tmp_path / "swap-train").exists()
 
 
+def test_the_demo_prints_its_figures_as_json(tmp_path) -> None:
+    """`tiermem demo --json` prints one JSON object and nothing else: both parts' figures, the training's as
+    tm.stats() counted them (a falling loss on its repeated batch, bytes moved, a checkpoint that exists)."""
+    pytest.importorskip("transformers")
+    res = _tiermem("demo", "--json", "--dir", str(tmp_path), "--layers", "2", "--width", "64", "--host-budget",
+                   "16MiB", "--tokens", "3", "--prompt", "4", "--train-layers", "1", "--train-width", "64",
+                   "--train-budget", "16MiB", "--train-steps", "3")
+    assert res.returncode == 0, res.stderr[-2000:]
+    figures = json.loads(res.stdout)
+    infer, train = figures["inference"], figures["training"]
+    assert [r["run"] for r in infer["runs"]] == ["with prefetch", "without prefetch"] and infer["same_tokens"]
+    # at this size the whole model fits the budget and stays resident: nothing needs reading back
+    runs = infer["runs"]
+    assert all(r["tokens_per_second"] > 0 and r["peak_bytes"]["nvme"] >= infer["parameter_bytes"] for r in runs)
+    assert len(train["losses"]) == 3 and train["losses"][-1] < train["losses"][0]
+    assert train["bytes_read"] > 0 and train["bytes_written"] > 0 and train["host_budget"] == 16 << 20
+    assert os.path.isdir(train["checkpoint"]) and train["steps_peak_rss_bytes"] > 0
+
+
 def test_the_progress_bar_draws_on_a_terminal_only() -> None:
     """On a terminal the bar (tqdm) shows the label and reaches 100%; anywhere else it writes nothing."""
     import io

@@ -10,6 +10,8 @@ is made once, in a child process, and cached.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import resource
 import shutil
@@ -56,7 +58,8 @@ def ensure_checkpoint(folder: str, layers: int, width: int, *, train: bool = Fal
         print(f"making a random {layers}-layer, {width}-wide checkpoint in {tag} (once)", file=sys.stderr)
         os.makedirs(folder, exist_ok=True)
         subprocess.run([sys.executable, "-m", "tiermem.demo", "--make-checkpoint", tag, "--layers", str(layers),
-                        "--width", str(width), *(["--train-shape"] if train else [])], check=True)
+                        "--width", str(width), *(["--train-shape"] if train else [])], check=True,
+                       stdout=sys.stderr)  # what it prints is a notice: stdout stays the demo's (--json)
     return index if os.path.exists(index) else weights
 
 
@@ -109,14 +112,19 @@ class _TokenProgress:
 
 def run(args: argparse.Namespace) -> int:
     status = 0
-    if args.only in (None, "infer"):
-        status |= run_inference(args)
-    if args.only in (None, "train"):
-        status |= run_training(args)
+    figures: dict[str, Any] = {}
+    # with --json the JSON is all of stdout: whatever else prints there (a library's notices) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        if args.only in (None, "infer"):
+            status |= run_inference(args, figures)
+        if args.only in (None, "train"):
+            status |= run_training(args, figures)
+    if args.json:
+        print(json.dumps(figures, indent=2))
     return status
 
 
-def run_training(args: argparse.Namespace) -> int:
+def run_training(args: argparse.Namespace, figures: dict[str, Any]) -> int:
     """Train a GPT whose Adam state is several times the host budget, from NVMe; save a checkpoint. As with a
     model larger than RAM, it is built on the meta device and streamed from its checkpoint (made once)."""
     from transformers import GPT2LMHeadModel
@@ -138,7 +146,9 @@ def run_training(args: argparse.Namespace) -> int:
     times, losses = [], []
     # restore=False: the trained weights are in the checkpoint saved below; the model ends on the meta device
     with tiermem.tiered_offload(model, checkpoint=weights, optimizer=opt, restore=False, **overrides) as tm:
-        print(f"plan: {tm.plan_summary()}")
+        plan = tm.plan_summary()
+        if not args.json:
+            print(f"plan: {plan}")
         batch = _token_ids((2, 128), 8192, 3, tm.device)
         data = [batch] * args.train_steps  # one batch again and again: the falling loss shows that updates land
         tm.reset_stats()
@@ -165,12 +175,22 @@ def run_training(args: argparse.Namespace) -> int:
     exit_rss = _peak_rss()  # leaving: the swap goes; the weights and optimizer state are in the checkpoint
     peak = s["peak_bytes"]
     steady = times[1:] or times
+    moved = s["bytes_read"] + s["bytes_written"]
+    figures["training"] = {
+        "layers": args.train_layers, "width": args.train_width, "parameters": n_params, "state_bytes": state_bytes,
+        "host_budget": budget, "plan": plan, "step_seconds": sum(steady) / len(steady), "first_step_seconds": times[0],
+        "losses": losses, "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"],
+        "stall_seconds": s["stall_seconds"], "peak_bytes": peak, "steps_peak_rss_bytes": steps_rss,
+        "exit_rss_before_bytes": entry_rss, "exit_peak_rss_bytes": exit_rss, "checkpoint": saved}
+    if not args.keep:
+        shutil.rmtree(swap, ignore_errors=True)
+    if args.json:
+        return 0
     print(f"\nGPT training: {args.train_layers} layers x {args.train_width}, {n_params / 1e6:.1f}M parameters, "
           f"Adam training state {format_size(state_bytes)} = {state_bytes / budget:.1f}x the host budget "
           f"({format_size(budget)}); params and optimizer state on NVMe in {swap}")
     print(f"step time {sum(steady) / len(steady):.2f} s (first step {times[0]:.2f} s), losses "
           f"{' '.join(f'{x:.3f}' for x in losses)}")
-    moved = s["bytes_read"] + s["bytes_written"]
     print(f"moved {format_size(moved / len(times))} per step (read {format_size(s['bytes_read'])}, written "
           f"{format_size(s['bytes_written'])} in all), stall {s['stall_seconds']:.2f} s")
     print(f"peak device {format_size(peak['device'])}, peak host {format_size(peak['host'])}, NVMe "
@@ -178,12 +198,10 @@ def run_training(args: argparse.Namespace) -> int:
           f"leaving the context took it from {format_size(entry_rss)} to a peak of {format_size(exit_rss)}")
     print(f"checkpoint written to {saved} (weights and optimizer state; the weights load with transformers' "
           "from_pretrained)")
-    if not args.keep:
-        shutil.rmtree(swap, ignore_errors=True)
     return 0
 
 
-def run_inference(args: argparse.Namespace) -> int:
+def run_inference(args: argparse.Namespace, figures: dict[str, Any]) -> int:
     """Generate with a GPT-2-shaped model several times the host budget, with and without prefetch."""
     from transformers import GPT2LMHeadModel
 
@@ -214,6 +232,18 @@ def run_inference(args: argparse.Namespace) -> int:
         results.append((label, args.tokens / elapsed, elapsed, s, out))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     same = torch.equal(results[0][4], results[1][4])
+    if not args.keep:
+        shutil.rmtree(swap, ignore_errors=True)
+    figures["inference"] = {
+        "layers": args.layers, "width": args.width, "parameter_bytes": params, "host_budget": budget,
+        "tokens": args.tokens, "runs": [
+            {"run": label, "tokens_per_second": tps, "seconds": elapsed, "bytes_read": s["bytes_read"],
+             "stall_seconds": s["stall_seconds"], "prefetch_misses": s["prefetch_misses"],
+             "peak_bytes": s["peak_bytes"]}
+            for label, tps, elapsed, s, _ in results],
+        "peak_rss_bytes": rss, "same_tokens": same, "prefetch_speedup": results[0][1] / results[1][1]}
+    if args.json:
+        return 0 if same else 1
     print(f"\nGPT-2-shaped model: {args.layers} layers x {args.width}, {format_size(params)} of fp32 parameters, "
           f"host budget {format_size(budget)} ({params / budget:.1f}x smaller), swap in {swap}")
     print(f"{'':<18}{'tokens/s':>9}{'time':>8}{'read':>11}{'stall':>8}{'misses':>8}{'peak device':>13}"
@@ -225,8 +255,6 @@ def run_inference(args: argparse.Namespace) -> int:
               f"{format_size(peak['host']):>11}{format_size(peak['nvme']):>11}")
     print(f"peak RSS of this process: {format_size(rss)}; both runs generated the same tokens: {same}")
     print(f"speed-up from prefetch: {results[0][1] / results[1][1]:.2f}x")
-    if not args.keep:
-        shutil.rmtree(swap, ignore_errors=True)
     return 0 if same else 1
 
 
@@ -244,6 +272,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-width", type=int, default=768)
     p.add_argument("--train-budget", default="512MiB", help="memory.host_budget for training (default 512MiB)")
     p.add_argument("--train-steps", type=int, default=4)
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of the summary")
 
 
 def main(argv: list[str] | None = None) -> int:
