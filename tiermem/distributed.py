@@ -23,12 +23,27 @@ average DDP takes). The gradient norm for clipping and the float16 overflow chec
 Checkpoints hold whole tensors, gathered unit by unit and written by rank 0, so any number of ranks (one
 included) loads them, each reading its chunks. Every rank checks at entry that all ranks run the same
 config and model shapes.
+
+# [Note: a rank that fails]
+A rank whose with-block raises cannot take part in the collectives the others are waiting in. If it stays
+alive (its loop caught the error, or it is stuck elsewhere) gloo would leave them waiting until the process
+group's timeout, 30 minutes by default, and then say only that an operation timed out. So the failing rank
+writes what it raised into the process group's store (`Ranks.announce`, under a key of this entry), and a
+rank waiting for a collective on gloo waits in slices of `_POLL` seconds, looking at the store between them
+(`Ranks._wait`): it raises a RanksError naming the failed rank and its error within a slice of the
+announcement. A rank that died instead breaks gloo's connections, and the wait fails at once; the
+timeout given to `init_process_group` stays the bound on everything else (a rank that never arrives).
+NCCL's waits do not block the CPU (its watchdog enforces the timeout), so there the collectives are
+waited for as they are.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
+import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +53,8 @@ import torch
 
 from tiermem.errors import RanksError
 from tiermem.swap import Layout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +71,10 @@ class Traffic:
         self.__dict__.update(Traffic().__dict__)
 
 
+_POLL = datetime.timedelta(seconds=0.2)  # how often a rank waiting on gloo looks for another's failure
+_ENTRIES = itertools.count()  # tiered_offload entries with several ranks: every rank counts the same ones
+
+
 @dataclass(frozen=True)
 class Ranks:
     """The process group tiermem shards over: this rank and how many there are (1: no sharding)."""
@@ -62,15 +83,18 @@ class Ranks:
     rank: int = 0
     world: int = 1
     traffic: Traffic = field(default_factory=Traffic, compare=False, repr=False)
+    scope: str = field(default="", compare=False)  # this entry's keys in the store (see [Note: a rank that fails])
 
     @classmethod
     def of(cls, group: Any = None) -> Ranks:
-        """`group`, else the default process group when torch.distributed is initialised, else one rank."""
+        """`group`, else the default process group when torch.distributed is initialised, else one rank. Called
+        once per tiered_offload entry, on every rank alike."""
         import torch.distributed as dist
 
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls()
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        world = dist.get_world_size(group)
+        return cls(group, dist.get_rank(group), world, scope=f"tiermem/entry{next(_ENTRIES)}" if world > 1 else "")
 
     @property
     def sharded(self) -> bool:
@@ -92,6 +116,40 @@ class Ranks:
         start = min(self.rank * c, numel)
         return start, min(start + c, numel)
 
+    # -- a rank that fails (see [Note: a rank that fails]) ----------------------------------------------
+    @functools.cached_property
+    def _store(self) -> Any:
+        """The process group's key-value store (None: none to be had, and failures are not announced)."""
+        import torch.distributed as dist
+
+        try:
+            return dist.distributed_c10d._get_default_store() if self.sharded else None
+        except (RuntimeError, AttributeError, ValueError):
+            return None
+
+    def announce(self, exc: BaseException) -> None:
+        """Tell the other ranks that this one left on `exc`, so their waits end with it named. A RanksError is
+        another rank's failure, already announced; an announcement that cannot be made is only logged."""
+        if self._store is None or isinstance(exc, RanksError):
+            return
+        try:
+            self._store.set(f"{self.scope}/failed/{self.rank}", f"{type(exc).__name__}: {exc}"[:1000])
+        except RuntimeError as err:
+            log.warning("could not tell the other ranks that rank %d failed: %s", self.rank, err)
+
+    def failure(self) -> tuple[int, str] | None:
+        """(rank, what it raised) of another rank that announced a failure in this entry, or None."""
+        if self._store is None:
+            return None
+        for r in range(self.world):
+            key = f"{self.scope}/failed/{r}"
+            try:
+                if r != self.rank and self._store.check([key]):
+                    return r, self._store.get(key).decode(errors="replace")
+            except RuntimeError:
+                return None
+        return None
+
     # -- collectives ----------------------------------------------------------------------------------
     def _run(self, what: str, call: Any, *args: Any, **kwargs: Any) -> Any:
         """A collective; its failure (a rank that raised and left, or the process group's timeout) becomes a
@@ -101,7 +159,32 @@ class Ranks:
         except RuntimeError as exc:
             raise self._failed(what, exc) from exc
 
+    def _wait(self, work: Any, what: str) -> None:
+        """Wait for `work`; on gloo in slices, ending with a RanksError as soon as another rank announces a
+        failure (see [Note: a rank that fails])."""
+        try:
+            if not self.by_rank or self._store is None:
+                work.wait()
+                return
+            while True:
+                try:
+                    work.wait(timeout=_POLL)
+                    return
+                except RuntimeError as exc:
+                    if "timed out" not in str(exc).lower():
+                        raise
+                failed = self.failure()
+                if failed is not None:
+                    raise RanksError(f"rank {self.rank} of {self.world}: {what}: rank {failed[0]} failed and "
+                                     f"left the collective: {failed[1]} (its own error says more)")
+        except RuntimeError as exc:
+            raise self._failed(what, exc) from exc
+
     def _failed(self, what: str, exc: BaseException) -> RanksError:
+        failed = self.failure()
+        if failed is not None:
+            return RanksError(f"rank {self.rank} of {self.world}: {what}: rank {failed[0]} failed and left the "
+                              f"collective: {failed[1]} (its own error says more)")
         return RanksError(f"rank {self.rank} of {self.world}: {what} with the other ranks failed ({exc}). "
                           "Another rank probably raised (see its error) or did not get here within the "
                           "process group's timeout")
@@ -140,9 +223,7 @@ class Ranks:
     def wait(self, work: Any, what: str = "gathering a unit") -> None:
         t0 = time.perf_counter()
         try:
-            work.wait()
-        except RuntimeError as exc:
-            raise self._failed(what, exc) from exc
+            self._wait(work, what)
         finally:
             self.traffic.gather_wait_seconds += time.perf_counter() - t0
 
@@ -168,9 +249,7 @@ class Ranks:
         """Wait for `work` and leave in `out` the mean over the ranks (the average DDP takes)."""
         t0 = time.perf_counter()
         try:
-            work.wait()
-        except RuntimeError as exc:
-            raise self._failed("reduce-scattering gradients", exc) from exc
+            self._wait(work, "reduce-scattering gradients")
         finally:
             self.traffic.reduce_seconds += time.perf_counter() - t0
         if self.by_rank:
@@ -180,14 +259,15 @@ class Ranks:
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
 
-        self._run(f"an all-reduce ({op})", dist.all_reduce, t,
-                  op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        what = f"an all-reduce ({op})"
+        self._wait(self._run(what, dist.all_reduce, t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                             async_op=True), what)
         return t
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        self._run("a barrier", dist.barrier)
+        self._wait(self._run("a barrier", dist.barrier, async_op=True), "a barrier")
 
     def check_same(self, what: str, value: str) -> None:
         """Raise RanksError on every rank unless all ranks pass the same `value` (e.g. a config's text)."""
@@ -195,7 +275,7 @@ class Ranks:
 
         digest = hashlib.sha256(value.encode()).hexdigest()[:16]
         every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, digest, group=self.group)
+        self._run(f"comparing {what}", dist.all_gather_object, every, digest)
         odd = [r for r, d in enumerate(every) if d != every[0]]
         if odd:
             raise RanksError(f"{what} differs between ranks: rank 0 and rank(s) {odd} disagree; every rank must "
@@ -208,9 +288,9 @@ class _AllOf:
     def __init__(self, works: list[Any]) -> None:
         self.works = works
 
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        for w in self.works:  # one that timed out is waited for again from the first: the done ones return at once
+            w.wait() if timeout is None else w.wait(timeout=timeout)
 
 
 # -- the layout of a rank's share ------------------------------------------------------------------------

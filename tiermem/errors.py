@@ -107,7 +107,8 @@ class OptimizerError(TiermemError):
 
 class RanksError(TiermemError):
     """The ranks of a torch.distributed process group disagree at entry (configs, model shapes), so sharding
-    across them would silently mix different models."""
+    across them would silently mix different models; or a collective with the other ranks failed: another
+    rank raised (the message names it and its error) or did not arrive within the process group's timeout."""
 
 
 class BenchArgError(TiermemError):

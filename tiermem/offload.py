@@ -314,8 +314,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             handle._set_tracer(Tracer(config.to_dict()))  # written when the context ends
         try:
             yield handle
-        except BaseException:
+        except BaseException as exc:
             raised = True
+            if ranks.sharded:
+                ranks.announce(exc)  # the others, waiting in a collective, end with this named
             raise
     finally:
         try:
