@@ -323,6 +323,18 @@ def test_clipping_accumulation_and_schedulers_equal_pytorch_bit_for_bit(tmp_path
             accumulate=accumulate, clip=0.05, sched=make[sched], **{"optimizer.update": update})
 
 
+@pytest.mark.parametrize("update", ["lazy", "step"])
+@pytest.mark.parametrize("make_opt", [
+    lambda m: torch.optim.AdamW(two_groups(m, lr=torch.tensor(3e-3)), lr=torch.tensor(1e-2)),
+    lambda m: torch.optim.AdamW(two_groups(m, lr=torch.tensor(3e-3)), lr=torch.tensor(1e-2), fused=True),
+    lambda m: torch.optim.SGD(two_groups(m, lr=torch.tensor(3e-2)), lr=torch.tensor(5e-2), momentum=0.9),
+], ids=["adamw", "adamw-fused", "sgd-momentum"])
+def test_tensor_lr_with_a_scheduler_equal_pytorch(tmp_path, update: str, make_opt: Callable[[nn.Module], Any]) -> None:
+    """A tensor lr that StepLR changes in place after every step: each update uses its own step's lr, as a tensor."""
+    compare(tmp_path, make_opt, steps=6, sched=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.1),
+            **{"optimizer.update": update})
+
+
 @pytest.mark.parametrize("grads_tier", ["cpu", "nvme"])
 def test_a_step_is_applied_as_the_next_forward_fetches_each_unit(tmp_path, grads_tier: str) -> None:
     """optimizer.update lazy: step() leaves every unit's update pending and reads nothing; the next forward

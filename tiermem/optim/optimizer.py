@@ -21,22 +21,22 @@ a gradient.
 # [Note: lazy update]
 With `optimizer.update: lazy` (the default) `step()` updates nothing: it records, for each unit with
 gradients, which parameters have one and the step's settings as they are at that moment (every param
-group's hyperparameters, lr included, so a scheduler stepping afterwards changes only the next step; and
-the factor that clipping and the float16 loss scale apply). Each unit is updated when it is next fetched
-(`apply_pending`, called by the runtime before the unit's parameters go to the device), so the state's
-reads and writes hide behind the next forward, which reads that unit anyway: its parameters are updated
-in host memory and used at once instead of being written back and read again. Anything else that reads
-weights or state first applies what is pending (`flush`): `tm.gathered()`, `state_dict()`, checkpoints,
-leaving the context. The arithmetic is the same as updating in `step()`: the same kernels on the same
-gradients with the same settings, in the same order per parameter. A unit always comes back to the device
-before its gradients can change (backward fetches it first), so a recorded update always finds the
-gradients it was recorded for; a second `step()` before that applies the first update, then records.
-The update could instead run during backward, but clipping needs the global norm and accumulation the
-last micro-batch before any unit may be updated; updating lazily needs neither. It costs memory, not
-arithmetic: every unit's gradients live from its backward until the next forward reaches it, where an
-update during backward gave each unit's back at once. With a host budget that cannot hold them and the
-read-ahead too, more is read again (measured in docs/benchmarks.md). A unit's accumulators are given back
-as soon as its update is applied.
+group's hyperparameters, lr included and tensors copied, so a scheduler stepping afterwards, even in place
+on a tensor lr, changes only the next step; and the factor that clipping and the float16 loss scale
+apply). Each unit is updated when it is next fetched (`apply_pending`, called by the runtime before the
+unit's parameters go to the device), so the state's reads and writes hide behind the next forward, which
+reads that unit anyway: its parameters are updated in host memory and used at once instead of being
+written back and read again. Anything else that reads weights or state first applies what is pending
+(`flush`): `tm.gathered()`, `state_dict()`, checkpoints, leaving the context. The arithmetic is the same
+as updating in `step()`: the same kernels on the same gradients with the same settings, in the same order
+per parameter. A unit always comes back to the device before its gradients can change (backward fetches it
+first), so a recorded update always finds the gradients it was recorded for; a second `step()` before that
+applies the first update, then records. The update could instead run during backward, but clipping needs
+the global norm and accumulation the last micro-batch before any unit may be updated; updating lazily
+needs neither. It costs memory, not arithmetic: every unit's gradients live from its backward until the
+next forward reaches it, where an update during backward gave each unit's back at once. With a host budget
+that cannot hold them and the read-ahead too, more is read again (measured in docs/benchmarks.md). A
+unit's accumulators are given back as soon as its update is applied.
 """
 
 from __future__ import annotations
@@ -549,8 +549,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._clip_scale = None
             log.info("inf/nan gradients: step skipped, loss scale now %g", self.scale)
             return loss
-        settings = StepSettings([{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                                (self._clip_scale or 1.0) / self.scale)
+        settings = StepSettings([_snapshot(g) for g in self.param_groups], (self._clip_scale or 1.0) / self.scale)
         todo = [st for st in self.units if st.has_grad]
         again = [st.unit.index for st in todo if st.unit.index in self.pending]
         if again:  # a second step() before these units came back: the first update goes first
@@ -660,13 +659,15 @@ class TieredOptimizer(torch.optim.Optimizer):
                step: int) -> int:
         """PyTorch's own update on one flat range; returns the new step count. The kernel is the one the user's
         optimizer would run: fused when it was built with fused=True, else the single-tensor one (the same
-        arithmetic as foreach, and for one flat range just as fast)."""
+        arithmetic as foreach, and for one flat range just as fast). Hyperparameters go in as torch.optim passes
+        them: a tensor lr stays a tensor, because torch's kernels compute with it in its dtype, not with its
+        Python value."""
         fused = True if group.get("fused") else None
         if self.kind is torch.optim.SGD:
             momentum = group.get("momentum", 0)
             buf: list[torch.Tensor | None] = [st["momentum_buffer"] if step > 0 and momentum else None]
             sgd_update([p], [g], buf, weight_decay=group["weight_decay"], momentum=momentum,
-                                lr=_float(group["lr"]), dampening=group.get("dampening", 0),
+                                lr=group["lr"], dampening=group.get("dampening", 0),
                                 nesterov=group.get("nesterov", False), maximize=group.get("maximize", False),
                                 foreach=False, fused=fused)
             if momentum and step == 0 and buf[0] is not None:
@@ -679,7 +680,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             [st["max_exp_avg_sq"]] if group.get("amsgrad") else [], [step_t],
             foreach=False, fused=fused, capturable=False, differentiable=False, has_complex=False,
             decoupled_weight_decay=group.get("decoupled_weight_decay", self.kind is torch.optim.AdamW),
-            amsgrad=group.get("amsgrad", False), beta1=beta1, beta2=beta2, lr=_float(group["lr"]),
+            amsgrad=group.get("amsgrad", False), beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False))
         return int(step_t.item())
 
@@ -758,6 +759,15 @@ def _flat(views: dict[str, torch.Tensor], names: Iterable[str]) -> torch.Tensor:
     return first.reshape(-1).as_strided((count,), (1,))
 
 
-def _float(x: Any) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+def _snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's settings but "params", as they are now: tensors (an lr, betas) are copied, because
+    torch's schedulers change a tensor lr in place, which would hand a recorded update the next step's."""
+    def frozen(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone()
+        if isinstance(v, tuple):
+            return tuple(frozen(x) for x in v)
+        return v
+
+    return {k: frozen(v) for k, v in group.items() if k != "params"}
 
