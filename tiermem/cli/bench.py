@@ -11,7 +11,7 @@ from typing import Any
 from tiermem.cli.progress import ProgressBar
 from tiermem.errors import BenchArgError
 from tiermem.io.backends import BACKENDS, available_backends
-from tiermem.io.bandwidth import BenchSpec, run_benchmark, system_info
+from tiermem.io.bandwidth import BenchSpec, run_benchmark, save_bench_results, system_info
 from tiermem.io.buffers import check_io_size
 from tiermem.sizes import format_size, parse_size, short_repr
 
@@ -99,6 +99,9 @@ def run_io(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.close()
+    cached = save_bench_results(spec.paths, results)  # for `tiermem plan` (see [Note: bench cache])
+    if cached and not args.json:
+        print(f"figures cached in {cached} (tiermem plan reads them)", file=sys.stderr)
     if args.json:
         print(json.dumps({"system": system, "results": results}, indent=2))
     else:

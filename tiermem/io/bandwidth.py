@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
+import logging
 import os
 import platform
 import statistics
@@ -28,6 +30,8 @@ from tiermem.io.buffers import HostBufferPool, PoolBuffer
 from tiermem.io.files import fs_of
 from tiermem.io.future import IOFuture
 from tiermem.store import Extent, SwapStore
+
+log = logging.getLogger(__name__)
 
 GB = 1e9
 GIB = 1 << 30
@@ -288,3 +292,78 @@ def _read_first(path: str) -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+# -- the cache of results, for `tiermem plan` -----------------------------------------------------
+# [Note: bench cache]
+# `tiermem bench io` records its best figures in $XDG_CACHE_HOME/tiermem/bench-io.json (~/.cache by default),
+# keyed by the filesystems the paths lie on (st_dev, major:minor, of each path or its nearest existing
+# ancestor), not by the path strings: two directories on one drive share a measurement, and a path that
+# is later mounted elsewhere does not inherit one. A striped run of several paths is one key, the sorted
+# set of its filesystems. The best mean GB/s over engines, block sizes and queue depths is kept per mode:
+# what `tiermem.plan` divides bytes by is then the fastest this drive was seen to go, so the step time it
+# derives is a lower bound.
+
+BENCH_CACHE_FILE = "bench-io.json"
+
+
+def bench_cache_path() -> str:
+    """Where `tiermem bench io` caches its figures (see [Note: bench cache])."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tiermem", BENCH_CACHE_FILE)
+
+
+def filesystem_key(paths: list[str] | tuple[str, ...]) -> str:
+    """The cache key of a set of swap directories: the sorted major:minor of the filesystems they lie on."""
+    devs = set()
+    for path in paths:
+        path = os.path.abspath(path)
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        st = os.stat(path)
+        devs.add(f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    return ",".join(sorted(devs))
+
+
+def _read_cache(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_bench_results(paths: list[str], results: list[dict[str, Any]], cache: str | None = None) -> str | None:
+    """Record the best read and write GB/s of `results` for `paths` in the cache; returns the cache file, or
+    None when it could not be written (logged: the benchmark's own output is what counts)."""
+    cache = cache or bench_cache_path()
+    entry: dict[str, Any] = {"paths": [os.path.abspath(p) for p in paths], "measured": time.time()}
+    for mode in ("read", "write"):
+        best = max((r for r in results if r["mode"] == mode), key=lambda r: r["gbps_mean"], default=None)
+        if best is not None:
+            entry[f"{mode}_gbps"] = best["gbps_mean"]
+            entry[f"{mode}_setting"] = {k: best[k] for k in ("engine", "block_size", "queue_depth", "direct")}
+    data = _read_cache(cache)
+    try:
+        key = filesystem_key(paths)
+        data[key] = {**data.get(key, {}), **entry}
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, cache)  # a reader never sees half a file
+    except OSError as exc:
+        log.warning("could not cache the bench figures in %s: %s", cache, exc.strerror)
+        return None
+    return cache
+
+
+def cached_bandwidth(paths: list[str] | tuple[str, ...], cache: str | None = None) -> dict[str, Any] | None:
+    """The cached figures for the filesystems of `paths` (`read_gbps`, `write_gbps`, `measured`, ...), or None."""
+    try:
+        key = filesystem_key(paths)
+    except OSError:
+        return None
+    entry = _read_cache(cache or bench_cache_path()).get(key)
+    return entry if isinstance(entry, dict) else None
