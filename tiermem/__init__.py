@@ -1,9 +1,10 @@
 """tiermem: tiered memory for PyTorch (device, pinned host RAM, NVMe swap through io_uring).
 
 The public face is the entry point (`tiered_offload` and the `OffloadHandle` it yields), its configuration
-(`Config`, `load_config`), the optimizer stand-in (`TieredOptimizer`) and the errors (`TiermemError` and its
-subclasses). The layers below stay importable from their subpackages: `tiermem.io` (engines, buffers, files),
-`tiermem.store` (swap files, extents), `tiermem.swap` (partitions, the tensor swapper), `tiermem.sizes`.
+(`Config`, `load_config`), the memory plan made before running (`plan`, `Plan`), the optimizer stand-in
+(`TieredOptimizer`) and the errors (`TiermemError` and its subclasses). The layers below stay importable from
+their subpackages: `tiermem.io` (engines, buffers, files), `tiermem.store` (swap files, extents), `tiermem.swap`
+(partitions, the tensor swapper), `tiermem.sizes`.
 """
 
 from tiermem.config import Config, load_config
@@ -29,6 +30,7 @@ from tiermem.errors import (
 )
 from tiermem.offload import OffloadHandle, tiered_offload
 from tiermem.optim import TieredOptimizer
+from tiermem.planning import Plan, plan
 
 __all__ = [
     "BenchArgError",
@@ -45,6 +47,7 @@ __all__ = [
     "OffloadError",
     "OffloadHandle",
     "OptimizerError",
+    "Plan",
     "RanksError",
     "ReadPastEndError",
     "RestoreError",
@@ -53,5 +56,6 @@ __all__ = [
     "TieredOptimizer",
     "TiermemError",
     "load_config",
+    "plan",
     "tiered_offload",
 ]
