@@ -47,7 +47,8 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def run_steps(model: nn.Module, opt: Any, data: list, *, accumulate: int = 1, clip: float | None = None,
-              sched: Any = None, clip_fn: Callable[..., Any] | None = None) -> list[float]:
+              sched: Any = None, clip_fn: Callable[..., Any] | None = None,
+              norms: list[float] | None = None) -> list[float]:
     losses = []
     for k in range(0, len(data), accumulate):
         opt.zero_grad()
@@ -57,7 +58,9 @@ def run_steps(model: nn.Module, opt: Any, data: list, *, accumulate: int = 1, cl
             losses.append(float(loss.detach()))
         if clip is not None:
             assert clip_fn is not None
-            clip_fn(clip)
+            norm = clip_fn(clip)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         if sched is not None:
             sched.step()
@@ -66,20 +69,25 @@ def run_steps(model: nn.Module, opt: Any, data: list, *, accumulate: int = 1, cl
 
 def compare(tmp_path, make_opt: Callable[[nn.Module], torch.optim.Optimizer], *, steps: int = 30,
             accumulate: int = 1, clip: float | None = None, sched: Callable[[Any], Any] | None = None,
-            build: Callable[[], nn.Module] = mlp, exact: bool = True, **tiers: Any) -> None:
+            build: Callable[[], nn.Module] = mlp, exact: bool = True, **tiers: Any) -> list[float]:
+    """Train a model both ways and check losses, clip norms, weights and optimizer state agree (bit for bit
+    unless `exact` is False); returns the total gradient norm clipping saw at each step."""
     data = batches(steps * accumulate)
     ref = build()
     ref_opt = make_opt(ref)
+    ref_norms: list[float] = []
     ref_losses = run_steps(ref, ref_opt, data, accumulate=accumulate, clip=clip,
                            sched=sched(ref_opt) if sched else None,
-                           clip_fn=lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c))
+                           clip_fn=lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c), norms=ref_norms)
     model = build()
     opt = make_opt(model)
+    norms: list[float] = []
     with tiered_offload(model, optimizer=opt, restore_optimizer=True, **cfg(tmp_path, **tiers)) as tm:
         losses = run_steps(model, tm.optimizer, data, accumulate=accumulate, clip=clip,
-                           sched=sched(tm.optimizer) if sched else None, clip_fn=tm.clip_grad_norm_)
+                           sched=sched(tm.optimizer) if sched else None, clip_fn=tm.clip_grad_norm_, norms=norms)
     tol = {} if exact else {"rtol": 1e-5, "atol": 1e-7}
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **(tol or {"rtol": 0, "atol": 0}))
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **(tol or {"rtol": 0, "atol": 0}))
     for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, **(tol or {"rtol": 0, "atol": 0}), msg=lambda m, n=name: f"{n}: {m}")
     ref_state, state = ref_opt.state_dict(), opt.state_dict()  # synced back into the user's optimizer on exit
@@ -88,6 +96,7 @@ def compare(tmp_path, make_opt: Callable[[nn.Module], torch.optim.Optimizer], *,
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
                 torch.testing.assert_close(state["state"][k][key], value, **(tol or {"rtol": 0, "atol": 0}))
+    return norms
 
 
 @pytest.mark.parametrize("tiers", [
@@ -251,12 +260,13 @@ def test_budget_too_small_for_a_units_training_state(tmp_path) -> None:
     assert all(p.numel() > 0 for p in model.parameters())
 
 
-def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path) -> None:
-    """params.dtype bfloat16 trains like the textbook recipe: bf16 compute, fp32 grads and master, AdamW.
+@pytest.mark.parametrize("update", ["lazy", "step"])
+def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path, update: str) -> None:
+    """params.dtype bfloat16 trains 20 steps like the textbook recipe: bf16 compute, fp32 grads and master, AdamW.
 
     The master weights start from the parameters as stored (cast to bfloat16), as when training a bf16 model.
     """
-    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(10)]
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(20)]
     ref = mlp().bfloat16()
     master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
     ref_opt = torch.optim.AdamW(master, lr=1e-3)
@@ -274,7 +284,8 @@ def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path)
         ref_losses.append(float(loss.detach()))
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"params.dtype": "bfloat16"})) as tm:
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"params.dtype": "bfloat16",
+                                                                  "optimizer.update": update})) as tm:
         losses = run_steps(model, tm.optimizer, data)
         state = tm.optimizer.by_unit[0].state
         assert state is not None and any(s.name.startswith("master.") for s in state.layout.slots)
@@ -307,6 +318,88 @@ def test_float16_dynamic_loss_scaling_skips_overflow_steps(tmp_path) -> None:
             assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
+def _fp16_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x.half()).float() - y) ** 2).mean()  # the loss in float32, as autocast would compute it
+
+
+@pytest.mark.parametrize("update", ["lazy", "step"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_float16_loss_scaling_with_overflows_and_clipping_equal_pytorch_grad_scaler(tmp_path, update: str,
+                                                                                    accumulate: int) -> None:
+    """20 steps of float16 parameters with dynamic loss scaling, two steps overflowing and clipping active,
+    bit-identical to PyTorch's recipe by hand: fp16 model, fp32 gradients and master weights, AdamW with
+    torch.amp.GradScaler (unscale_, clip_grad_norm_, a skipped step and a halved scale on overflow, a
+    doubled scale after growth_interval good steps)."""
+    # a loss times 1e30 stays finite in float32 but its fp16 gradients overflow; a growth window of 4 steps
+    # (GradScaler's and tiermem's default is 2000) lets the scale grow back within 20 steps
+    overflow, huge, max_norm, interval = {3, 11}, 1e30, 0.05, 4
+    data = batches(20 * accumulate)
+    ref = mlp().half()
+    master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW([{"params": [m for m in master if m.dim() > 1], "weight_decay": 0.1},
+                                 {"params": [m for m in master if m.dim() <= 1], "weight_decay": 0.0, "lr": 3e-3}],
+                                lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=interval)
+    ref_losses: list[float] = []
+    ref_norms: list[float] = []
+    ref_skipped: list[int] = []
+    scales: list[float] = []
+    for k in range(20):
+        for m in master:
+            m.grad = None
+        for x, y in data[k * accumulate:(k + 1) * accumulate]:
+            ref.zero_grad()
+            loss = _fp16_loss(ref, x, y) / accumulate * (huge if k in overflow else 1.0)
+            scaler.scale(loss).backward()
+            for p, m in zip(ref.parameters(), master, strict=True):  # accumulated in fp32
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+            ref_losses.append(float(loss.detach()))
+        scaler.unscale_(ref_opt)
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(master, max_norm)))
+        before = scaler.get_scale()
+        scaler.step(ref_opt)
+        scaler.update()
+        if scaler.get_scale() < before:
+            ref_skipped.append(k)
+        scales.append(scaler.get_scale())
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), master, strict=True):
+                p.copy_(m)
+    model = mlp()
+    opt = torch.optim.AdamW(two_groups(model, lr=3e-3), lr=1e-2)
+    losses: list[float] = []
+    norms: list[float] = []
+    tm_scales: list[float] = []
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"params.dtype": "float16",
+                                                                  "optimizer.update": update})) as tm:
+        o = tm.optimizer
+        o.growth_interval = interval  # no config key sets it: the attribute, as GradScaler(growth_interval=)
+        for k in range(20):
+            o.zero_grad()
+            for x, y in data[k * accumulate:(k + 1) * accumulate]:
+                loss = _fp16_loss(model, x, y) / accumulate * (huge if k in overflow else 1.0)
+                tm.backward(loss)
+                losses.append(float(loss.detach()))
+            norms.append(float(tm.clip_grad_norm_(max_norm)))
+            o.step()
+            tm_scales.append(o.scale)
+        assert o.skipped_steps == len(ref_skipped) == 2
+        state = o.state_dict()["state"]  # in fp32 as kept (restore_optimizer would cast it to the fp16 params)
+    assert ref_skipped == sorted(overflow) and max(scales) > 2.0**16  # only the forced overflows; it grew too
+    assert sum(n > max_norm for k, n in enumerate(ref_norms) if k not in overflow) >= 15, ref_norms
+    assert tm_scales == scales
+    assert losses == ref_losses
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=0, atol=0, equal_nan=True)
+    for p, m in zip(model.parameters(), master, strict=True):
+        assert p.dtype == torch.float32  # restored to the model's own dtype on exit
+        assert torch.equal(p.detach(), m.detach().half().float())
+    ref_state = ref_opt.state_dict()["state"]
+    assert ref_state.keys() == state.keys()
+    for i, entry in ref_state.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[i][key], entry[key]), (i, key)
+
+
 def _warmup(opt: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 5))
 
@@ -319,8 +412,9 @@ def test_clipping_accumulation_and_schedulers_equal_pytorch_bit_for_bit(tmp_path
     accumulation and a StepLR or warm-up schedule: losses, weights and state bit-identical to PyTorch,
     whether each unit is updated lazily (as the next forward fetches it) or in step()."""
     make = {"steplr": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5), "warmup": _warmup}
-    compare(tmp_path, lambda m: torch.optim.AdamW(two_groups(m, lr=3e-3), lr=1e-2), steps=20,
-            accumulate=accumulate, clip=0.05, sched=make[sched], **{"optimizer.update": update})
+    norms = compare(tmp_path, lambda m: torch.optim.AdamW(two_groups(m, lr=3e-3), lr=1e-2), steps=20,
+                    accumulate=accumulate, clip=0.05, sched=make[sched], **{"optimizer.update": update})
+    assert len(norms) == 20 and sum(n > 0.05 for n in norms) >= 15, norms  # clipping scaled most steps
 
 
 @pytest.mark.parametrize("update", ["lazy", "step"])
