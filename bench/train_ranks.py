@@ -75,7 +75,7 @@ DS_GOAL = 0.5  # tiermem's step <= this x DeepSpeed's
 RSS_SLACK = 500 * 10**6  # a rank's peak RSS in the steps <= its host budget + this
 LAUNCH_TIMEOUT_S = 1800
 TRAFFIC = ("bytes_read", "bytes_written", "gathered_bytes", "gather_wait_seconds", "gathers_ahead", "reduced_bytes",
-           "reduce_seconds", "stall_seconds")
+           "reduce_seconds", "stall_seconds", "activations_bytes_read", "activations_bytes_written")
 
 
 # -- one rank (run by torchrun) ---------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
                                       "loss": float(loss.detach())}
             if tm is not None:
                 st = tm.stats()
-                sample.update({k: st[k] for k in TRAFFIC})
+                sample.update({k: st.get(k, 0) for k in TRAFFIC})
                 sample["peak_host_bytes"] = st["peak_bytes"]["host"]
             samples.append(sample)
         out["steps_peak_rss_bytes"] = status_bytes("VmHWM") if out["peak_reset"] else None
@@ -266,25 +266,28 @@ def compare_losses(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
 def project(tm: dict[str, Any], bw: dict[str, Any] | None, ranks: int, upto: int = 8) -> list[dict[str, Any]]:
     """tiermem's step time for N ranks on N drives, on paper, from the measured per-rank figures.
 
-    Each rank keeps its batch (data parallel), so its compute stays what it was; its NVMe bytes per step
-    scale with 1/N (each rank holds 1/N of every unit), its collective bytes with (N-1)/N. The measured
-    step is split into what was not waiting for a collective (compute plus I/O, which the measured run
-    hid behind compute or counted as stall) and the time spent waiting for gathers and in reduce-scatters.
-    The projection keeps the first part, or the I/O time at the measured engine bandwidth if that is
-    longer, and scales the collective time with its bytes at the rate measured here (loopback between two
-    processes: another network has another rate, so this part is the one to redo with its figures)."""
+    Each rank keeps its batch (data parallel), so its compute stays what it was, and so do the bytes of its
+    saved activations that go to NVMe and back; the rest of its NVMe bytes per step (parameters, gradients,
+    optimizer state) scale with 1/N (each rank holds 1/N of every unit), its collective bytes with (N-1)/N.
+    The measured step is split into what was not waiting for a collective (compute plus I/O, which the
+    measured run hid behind compute or counted as stall) and the time spent waiting for gathers and in
+    reduce-scatters. The projection keeps the first part, or the I/O time at the measured engine bandwidth
+    if that is longer, and scales the collective time with its bytes at the rate measured here (loopback
+    between two processes: another network has another rate, so this part is the one to redo with its
+    figures)."""
     step = tm["seconds_mean"]
     coll = tm["gather_wait_seconds_per_rank_mean"] + tm["reduce_seconds_per_rank_mean"]
     rest = step - coll
+    acts = (tm.get("activations_bytes_read_per_rank_mean", 0.0), tm.get("activations_bytes_written_per_rank_mean", 0.0))
+    sharded = (tm["bytes_read_per_rank_mean"] - acts[0], tm["bytes_written_per_rank_mean"] - acts[1])
     out = []
     for n in [ranks, *[k for k in (2, 4, 8) if k != ranks and k <= upto]]:
-        io_bytes = (tm["bytes_read_per_rank_mean"], tm["bytes_written_per_rank_mean"])
-        scaled_io = [b * ranks / n for b in io_bytes]
+        scaled_io = [b * ranks / n + a for b, a in zip(sharded, acts, strict=True)]
         io_s = (scaled_io[0] / (bw["read"]["gbps_mean"] * 1e9) + scaled_io[1] / (bw["write"]["gbps_mean"] * 1e9)
                 if bw and "read" in bw else None)
         coll_n = coll * ((n - 1) / n) / ((ranks - 1) / ranks)
-        out.append({"ranks": n, "nvme_bytes_per_rank": sum(scaled_io), "io_seconds": io_s,
-                    "collective_seconds": coll_n, "step_seconds": max(rest, io_s or 0.0) + coll_n})
+        out.append({"ranks": n, "nvme_bytes_per_rank": sum(scaled_io), "activation_bytes_per_rank": sum(acts),
+                    "io_seconds": io_s, "collective_seconds": coll_n, "step_seconds": max(rest, io_s or 0.0) + coll_n})
     return sorted(out, key=lambda x: x["ranks"])
 
 
