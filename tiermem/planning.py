@@ -42,6 +42,7 @@ What the ledger will count at peak follows from them:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -264,7 +265,7 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
             inference.
         batch: what a step feeds the model, to estimate the activations a training pass saves: a tensor, a
             tuple of tensors, a dict of keyword tensors, or a shape such as ``(2, 128)`` for ``input_ids``.
-            The forward runs on the meta device (no bytes).
+            The forward runs on fake tensors (shapes without data: no bytes).
         checkpoint: the checkpoint `tiered_offload` would stream from (a model on the meta device); only its
             existence is checked, the shapes come from the model.
         **overrides: dotted config keys, as `tiered_offload` takes them.
@@ -583,33 +584,40 @@ def _by_tier(kinds: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
     return out
 
 
-def _batch_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """`batch` as (args, kwargs) of meta tensors; a shape (ints) means input_ids of that shape."""
-    def meta(x: Any) -> Any:
-        return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+def _batch_inputs(model: nn.Module, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`batch` as (args, kwargs) of tensors without data (called under a FakeTensorMode); a shape (ints) means
+    input_ids of that shape, and so does one integer tensor for a forward that takes input_ids."""
+    def empty(x: Any) -> Any:
+        return torch.empty(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x
 
     if isinstance(batch, Mapping):
-        return (), {k: meta(v) for k, v in batch.items()}
+        return (), {k: empty(v) for k, v in batch.items()}
     if isinstance(batch, Sequence) and batch and all(isinstance(d, int) for d in batch):
-        return (), {"input_ids": torch.zeros(tuple(batch), dtype=torch.long, device="meta")}
-    if isinstance(batch, (tuple, list)):
-        return tuple(meta(x) for x in batch), {}
-    return (meta(batch),), {}
+        return (), {"input_ids": torch.zeros(tuple(batch), dtype=torch.long)}
+    args = tuple(empty(x) for x in (batch if isinstance(batch, (tuple, list)) else [batch]))
+    try:
+        takes: Mapping[str, Any] = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = {}
+    first = args[0] if len(args) == 1 else None
+    if isinstance(first, torch.Tensor) and not first.is_floating_point() and "input_ids" in takes:
+        return (), {"input_ids": first}
+    return args, {}
 
 
 def _activations(model: nn.Module, batch: Any, *, training: bool, min_bytes: int = 0) -> tuple[int | None, str]:
     """Bytes autograd saves for backward in one training forward of `batch` (not parameters), found by running
-    that forward on the meta device with a saved-tensor hook; with `min_bytes`, only those at least that large
-    (what activations.tier nvme moves)."""
+    that forward on fake tensors (shapes without data: nothing is allocated) with a saved-tensor hook; with
+    `min_bytes`, only those at least that large (what activations.tier nvme moves). Fake rather than meta
+    tensors: transformers takes them for tracing and skips the checks that would read token ids."""
     if not training:
         return 0, "inference: autograd saves nothing for backward"
     if batch is None:
         return None, "not estimated: pass batch= (tiermem plan --batch 2x128) to estimate them"
-    params = {n: torch.empty(p.shape, dtype=p.dtype, device="meta").requires_grad_(p.requires_grad)
-              for n, p in model.named_parameters()}
-    buffers = {n: torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in model.named_buffers()}
-    ids = {id(t) for t in params.values()}
-    saved: dict[int, tuple[torch.Tensor, int]] = {}  # id(storage's tensor) -> (it, bytes); kept so ids stay unique
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved: dict[int, tuple[torch.Tensor, int]] = {}  # id(base tensor) -> (it, bytes); kept so ids stay unique
+    ids: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
@@ -617,14 +625,19 @@ def _activations(model: nn.Module, batch: Any, *, training: bool, min_bytes: int
             saved[id(base)] = (base, base.numel() * base.element_size())
         return t
 
-    args, kwargs = _batch_inputs(batch)
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
-    except Exception as exc:  # noqa: BLE001 - any op without a meta kernel; the plan goes on without them
-        return None, f"not estimated: the forward on the meta device failed ({type(exc).__name__}: {exc})"
+        with FakeTensorMode(), torch.enable_grad():
+            params = {n: torch.empty(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
+                      for n, p in model.named_parameters()}
+            buffers = {n: torch.empty(b.shape, dtype=b.dtype) for n, b in model.named_buffers()}
+            ids.update(id(t) for t in params.values())
+            args, kwargs = _batch_inputs(model, batch)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - an op without a fake kernel, data-dependent code: plan without them
+        return None, f"not estimated: the forward on fake tensors failed ({type(exc).__name__}: {exc})"
     total = sum(n for _, n in saved.values() if n >= min_bytes)
-    return total, f"saved by one training forward of the batch, estimated on the meta device ({len(saved)} tensors)"
+    return total, f"saved by one training forward of the batch, estimated on fake tensors ({len(saved)} tensors)"
 
 
 # -- swap space and the step's traffic ------------------------------------------------------------------
