@@ -432,8 +432,8 @@ def test_tensor_lr_with_a_scheduler_equal_pytorch(tmp_path, update: str, make_op
 @pytest.mark.parametrize("grads_tier", ["cpu", "nvme"])
 def test_a_step_is_applied_as_the_next_forward_fetches_each_unit(tmp_path, grads_tier: str) -> None:
     """optimizer.update lazy: step() leaves every unit's update pending and reads nothing; the next forward
-    applies each before using it (and gives NVMe gradient accumulators back at once); gathered() applies
-    what is still pending first. The result is PyTorch's."""
+    applies each before using it (and gives the gradient accumulators back at once, host or NVMe); gathered()
+    applies what is still pending first. The result is PyTorch's."""
     x, y = batches(1)[0]
     ref = mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -453,8 +453,7 @@ def test_a_step_is_applied_as_the_next_forward_fetches_each_unit(tmp_path, grads
             out = model(x)
         assert not opt.pending
         assert torch.equal(out, ref(x))
-        if grads_tier == "nvme":
-            assert not any(st.grads.host is not None for st in opt.units)
+        assert not any(tm.swapper.holds_host(st.grads) for st in opt.units)
         loss_fn(model, x, y).backward()
         opt.step()
         assert opt.pending
@@ -467,23 +466,56 @@ def test_a_step_is_applied_as_the_next_forward_fetches_each_unit(tmp_path, grads
         assert torch.equal(a, b)
 
 
-def test_two_steps_without_a_forward_between_and_grads_kept_across_steps_equal_pytorch(tmp_path) -> None:
-    """A second step() before any forward applies the first update, then records its own; gradients kept
-    across a step (no zero_grad) are added to, as PyTorch adds to .grad, also from NVMe."""
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_two_steps_without_a_forward_between_and_grads_kept_across_steps_equal_pytorch(tmp_path,
+                                                                                     clip: float | None) -> None:
+    """A second step() (or clip_grad_norm_) before any forward applies the first update, then records its own;
+    gradients kept across a step (no zero_grad) are added to, as PyTorch adds to .grad, also from NVMe, and
+    a clip before the second step sees them as the first clip left them."""
     data = batches(2)
     ref = mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     model = mlp()
+    norms: dict[str, list[float]] = {"ref": [], "tm": []}
     with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                         **cfg(tmp_path, **{"grads.tier": "nvme", "memory.host_budget": "8MiB"})) as tm:
-        for m, opt in ((ref, ref_opt), (model, tm.optimizer)):
-            loss_fn(m, *data[0]).backward()
-            opt.step()
-            opt.step()  # the same gradients twice
-            loss_fn(m, *data[1]).backward()  # added to the first batch's gradients
-            opt.step()
+        for who, m, opt, clip_fn in (
+                ("ref", ref, ref_opt, lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c)),
+                ("tm", model, tm.optimizer, tm.clip_grad_norm_)):
+            # a backward and a step; a step on the same gradients; the second batch's added to them and a step
+            for fresh in (data[0], None, data[1]):
+                if fresh is not None:
+                    loss_fn(m, *fresh).backward()
+                if clip is not None:
+                    norms[who].append(float(clip_fn(clip)))
+                opt.step()
+    assert norms["tm"] == norms["ref"]
     for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grads_tier", ["cpu", "nvme"])
+def test_a_flush_gives_the_updated_units_accumulators_back(tmp_path, grads_tier: str) -> None:
+    """Applying recorded updates outside a forward (state_dict(), checkpoints, exit) gives each unit's
+    accumulators back at once after zero_grad: their host memory returns to the pool, none is written to NVMe."""
+    x, y = batches(1)[0]
+    model = mlp()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        **cfg(tmp_path, **{"grads.tier": grads_tier, "memory.host_budget": "8MiB"})) as tm:
+        opt, sw = tm.optimizer, tm.swapper
+        loss_fn(model, x, y).backward()
+        tm.clip_grad_norm_(0.05)  # the update scales the accumulators in place: they are dirty
+        opt.step()
+        opt.zero_grad()
+        assert all(sw.holds_host(st.grads) for st in opt.units)
+        host = tm.stats()["now_bytes"]["host"]
+        tm.reset_stats()
+        opt.state_dict()
+        assert not opt.pending and not any(sw.holds_host(st.grads) for st in opt.units)
+        assert host - tm.stats()["now_bytes"]["host"] == sum(st.grads.size for st in opt.units)
+        sw.flush()  # every dirty partition to NVMe: the parameters and state, not the accumulators
+        written = sum(st.unit.partition.size + (st.state.size if st.state is not None else 0) for st in opt.units)
+        assert tm.stats()["bytes_written"] == written
 
 
 def test_overlap_backward_is_an_error_naming_its_replacement(tmp_path) -> None:

@@ -409,11 +409,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         rec = self.pending.get(unit_index)
         if rec is None:
             return
-        st = self.by_unit[unit_index]
         # it leaves `pending` with its arithmetic: an update that could not start (a read, Ctrl-C) stays due
-        self._update_many([(st, *rec)], done=self.pending)
-        # consumed: their memory goes to the reads of the units after it, unless no zero_grad came since
-        # step(), and the next backward adds to these as torch's would
+        self._update_many([(self.by_unit[unit_index], *rec)], done=self.pending, give_back=True)
+
+    def _give_back_grads(self, st: UnitOptimState) -> None:
+        """A lazily applied update consumed the unit's accumulators: their memory goes to the reads of the
+        units after it, unwritten, unless no zero_grad came since step() (the next backward adds to them, as
+        torch's does to .grad); those go to NVMe, when that is their tier, until then."""
         if not st.has_grad:
             self.swapper.discard(st.grads)
         elif st.grads.home is Tier.NVME:
@@ -427,8 +429,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         return [st.grads, st.state] if st.state is not None else [st.grads]
 
     def flush(self) -> None:
-        """Apply every recorded update, in unit order (each leaves `pending` once applied)."""
-        self._update_many([(self.by_unit[i], *self.pending[i]) for i in sorted(self.pending)], done=self.pending)
+        """Apply every recorded update, in unit order (each leaves `pending` once applied, and gives its
+        accumulators back at once, as `apply_pending` does)."""
+        self._update_many([(self.by_unit[i], *self.pending[i]) for i in sorted(self.pending)], done=self.pending,
+                          give_back=True)
 
     # -- its state, for checkpoints ---------------------------------------------------------------
     def state_tensors(self) -> Iterator[StateTensor]:
@@ -497,7 +501,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         Their memory stays: allocated afresh during each backward, between the parameters being read, the
         accumulators fragment the host pool, and the step then finds no room for the optimizer state.
-        With optimizer.update lazy, accumulators on NVMe are given back as each unit's update is applied.
+        With optimizer.update lazy they are given back instead as each unit's update is applied (in host
+        memory or on NVMe): they are held only from the unit's backward to its update.
         """
         for st in self.units:
             st.has_grad.clear()
@@ -506,6 +511,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
+        self._apply_to_kept_grads()  # the norm is of the gradients as the last step left them, as torch's
         norms: list[torch.Tensor] = []
         for st in self.units:
             if not st.has_grad:
@@ -550,10 +556,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             log.info("inf/nan gradients: step skipped, loss scale now %g", self.scale)
             return loss
         settings = StepSettings([_snapshot(g) for g in self.param_groups], (self._clip_scale or 1.0) / self.scale)
+        self._apply_to_kept_grads()
         todo = [st for st in self.units if st.has_grad]
-        again = [st.unit.index for st in todo if st.unit.index in self.pending]
-        if again:  # a second step() before these units came back: the first update goes first
-            self._update_many([(self.by_unit[i], *self.pending[i]) for i in again], done=self.pending)
         if self.lazy:
             for st in todo:
                 self.pending[st.unit.index] = (settings, frozenset(st.has_grad))
@@ -573,19 +577,31 @@ class TieredOptimizer(torch.optim.Optimizer):
         """The loss to call backward on: multiplied by the dynamic loss scale for float16, else itself."""
         return loss * self.scale if self.loss_scaling else loss
 
+    def _apply_to_kept_grads(self) -> None:
+        """Apply the recorded updates of units whose gradients were kept since (no zero_grad, no forward):
+        a second step() or clip_grad_norm_ before these units came back. The first update goes first, and
+        scales those gradients in place (by the clip coefficient, the loss scale) as torch's scale .grad;
+        the accumulators stay, since what comes next reads them."""
+        again = [st.unit.index for st in self.units if st.has_grad and st.unit.index in self.pending]
+        if again:
+            self._update_many([(self.by_unit[i], *self.pending[i]) for i in again], done=self.pending)
+
     def _parts(self, st: UnitOptimState) -> list[Partition]:
         parts = [st.unit.partition, st.grads]
         return parts + [st.state] if st.state is not None else parts
 
     def _update_many(self, todo: list[tuple[UnitOptimState, StepSettings, frozenset[str]]],
-                     done: dict[int, Any] | None = None) -> None:
+                     done: dict[int, Any] | None = None, give_back: bool = False) -> None:
         """Update units in turn, pipelined: read i+1 | update i | write back i-1; each updated unit leaves
-        `done` (the recorded updates) as soon as it is."""
+        `done` (the recorded updates) as soon as it is, and with `give_back` its accumulators go at once
+        (`_give_back_grads`)."""
         for k, (st, settings, fqns) in enumerate(todo):
             if k + 1 < len(todo):
                 for part in self._parts(todo[k + 1][0]):
                     self.swapper.prefetch(part, Tier.HOST)
             self._update_unit(st, settings, fqns, done)
+            if give_back:
+                self._give_back_grads(st)
             if st.state is not None and st.state.home is Tier.NVME:
                 self.swapper.evict(st.state)  # write-back starts now, overlapping the next update
 
