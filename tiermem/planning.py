@@ -66,7 +66,7 @@ from tiermem.offload import _check_fits, _plan, _plan_text, _rank_paths, _unit_s
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.wrap import WrapPlan, dtype_of, plan_units
-from tiermem.sizes import format_size
+from tiermem.sizes import format_size, parse_size
 from tiermem.swap import Layout
 from tiermem.swap.transfers import make_mover
 
@@ -352,7 +352,7 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
         host_peak += min(cfg.activations.host_bytes, act_nvme)
     peak = {"device": device_peak, "host": host_peak, "nvme": nvme_total + act_nvme}
     swap = _swap_paths(cfg, nvme_total + act_nvme) if cfg.uses_nvme else []
-    fixes.extend(_disk_fixes(swap))
+    fixes = _strongest(fixes) + _disk_fixes(swap)
 
     host_permanent = train.permanent if train is not None else host_fixed
     room = max(0, budget - host_permanent)
@@ -434,6 +434,16 @@ def _training(opt: torch.optim.Optimizer, units: list[Any], swapper: Any, overri
 
 def _state_sizes(plans: list[Any]) -> list[int]:
     return [Layout.of(s).size if s else 0 for _, _, _, s in plans]
+
+
+def _strongest(fixes: list[Fix]) -> list[Fix]:
+    """One fix per key: the largest value asked for (a budget that fits every check), in first-asked order."""
+    best: dict[str, Fix] = {}
+    for f in fixes:
+        old = best.get(f.key)
+        if old is None or parse_size(f.value) > parse_size(old.value):
+            best[f.key] = f
+    return list(best.values())
 
 
 def _host_fix(need: int, problem: str) -> Fix:
