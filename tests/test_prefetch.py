@@ -260,3 +260,30 @@ def test_training_keeps_no_units_resident(tmp_path) -> None:
             model(torch.randn(3, 256)).sum().backward()
             tm.optimizer.step()
         assert tm.stats()["resident_bytes"] == 0
+
+
+def test_reads_ahead_fill_the_room_the_resident_plan_leaves(tmp_path) -> None:
+    """With resident units, reading ahead goes by the bytes the plan leaves for streamed units, not by the
+    window: while the resident first units compute, the next streamed units that fit that room are read
+    (two here, where the window is one), and no unit is read twice in a pass; outputs are the same."""
+    from tiermem.swap.state import Tier
+
+    model = equal_layers(12)
+    x = torch.randn(3, 128)
+    ref = model(x).detach()
+    with torch.no_grad(), tiered_offload(model, **cfg(tmp_path, **{"memory.host_budget": "512KiB"})) as tm:
+        for _ in range(2):  # record the order, then one pass under the plan
+            assert torch.equal(model(x), ref)
+        rt, sched = tm.runtime, tm.runtime.schedule
+        streamed = [u for u in sched.order if u not in sched.resident]
+        size = rt.units[streamed[0]].partition.size
+        assert sched.resident and sched.stream_room is not None and sched.stream_room // size > sched.depth
+        ahead = [u for u in streamed if tm.swapper.holds_host(rt.units[u].partition)
+                 or tm.swapper.is_on_the_way(rt.units[u].partition, Tier.HOST)]
+        assert ahead == streamed[: sched.stream_room // size], (ahead, sched.stream_room, size, sched.depth)
+        tm.reset_stats()
+        for _ in range(3):
+            assert torch.equal(model(x), ref)
+        s = tm.stats()
+    # three passes' streamed units, and at most the next pass's read-ahead (in flight as the last pass ends)
+    assert s["prefetch_misses"] == 0 and s["bytes_read"] <= (3 * len(streamed) + len(ahead)) * size, s

@@ -319,6 +319,7 @@ class Runtime:
         for j in self.schedule.resident:
             self.swapper.keep_resident(self.units[j].partition, False)
         self.schedule.resident = set()
+        self.schedule.stream_room = None
         self.schedule.depth = self._depth
         self.resident_bytes = 0
         if (not order or self.optimizer is not None or not self.prefetch_enabled
@@ -334,6 +335,8 @@ class Runtime:
         self.schedule.resident = resident
         self.schedule.depth = depth
         self.resident_bytes = sum(sizes[j] for j in resident)
+        if resident:
+            self.schedule.stream_room = self.swapper.partition_budget - fixed - self.resident_bytes
         if resident:
             log.info("keeping %d of %d units (%s) in host memory between passes; prefetch depth %d",
                      len(resident), len(sizes), format_size(self.resident_bytes), depth)
@@ -514,7 +517,11 @@ class Runtime:
             if to is Tier.DEVICE:
                 self._on_device.add(j)
         if self.schedule.resident and window:  # resident units fill window places: read past them
-            for j in self.schedule.read_ahead():
+            room = self.schedule.stream_room
+            if room is not None:  # what the streamed units computing hold is not free for reading ahead
+                room -= sum(u.partition.size for u in self.units
+                            if u.depth > 0 and u.index not in self.schedule.resident)
+            for j in self.schedule.read_ahead(room):
                 part = self.units[j].partition
                 if j not in window and not self.swapper.is_on_the_way(part, Tier.HOST):
                     self.swapper.prefetch(part, Tier.HOST)

@@ -38,6 +38,7 @@ class Schedule:
         self.misses = 0  # acquisitions that did not (and any made while recording after the first pass)
         self.retraces = 0  # times the order was recorded again
         self.resident: set[int] = set()  # units kept in host memory between passes (see plan_resident)
+        self.stream_room: int | None = None  # with resident units: the bytes left for the units read in
 
     @property
     def recording(self) -> bool:
@@ -90,17 +91,23 @@ class Schedule:
             out.append(u)
         return out
 
-    def read_ahead(self) -> list[int]:
-        """The next `depth` distinct units after the cursor that are not resident: what must be read next.
-        Pinned units in the window take window places but need no reading, so this looks past them."""
+    def read_ahead(self, room: int | None = None) -> list[int]:
+        """The next units after the cursor that are not resident: what must be read next. Resident units in
+        the window take window places but need no reading, so this looks past them. With `room` (bytes free
+        for units read in, see [Note: resident units]) as many as fit in it, else the next `depth`."""
         out: list[int] = []
         n = len(self.order)
+        total = 0
         for k in range(n):
-            if len(out) >= self.depth:
+            if room is None and len(out) >= self.depth:
                 break
             u = self.order[(self.pos + k) % n]
-            if u not in self.resident and u not in out:
-                out.append(u)
+            if u in self.resident or u in out:
+                continue
+            total += self.unit_bytes(u)
+            if room is not None and total > room:
+                break
+            out.append(u)
         return out
 
     def on_pass_end(self) -> list[int]:
@@ -139,6 +146,11 @@ def plan_resident(sizes: dict[int, int], budget: int, depth: int) -> tuple[set[i
     pass). What is left must still hold the unit computing plus one read ahead of the largest unit not
     kept, and the window shrinks to what is left (at least 1, at most `depth`). Kept units are evicted
     only when nothing else can be, so a plan never turns into a budget error.
+
+    Reads go by the bytes left, not by the window: the runtime reads ahead as many units as fit beside the
+    streamed units computing (`Schedule.read_ahead(room)`). The kept units often come first in a pass (a
+    GPT-2's embeddings), and while they compute nothing streamed is held, so the disk reads the next two
+    or three units then instead of one and does not idle at the start of every pass.
 
     `sizes` maps unit index to bytes, for units that rest on NVMe; returns (kept units, depth).
     """

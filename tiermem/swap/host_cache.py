@@ -25,6 +25,7 @@ of it, so waiting on one partition never stalls transfers of the others. The one
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import zlib
 from collections.abc import Callable
@@ -296,6 +297,8 @@ class HostCache:
                                   and p.host is not None and p.host.arena == arena
                                   and p.host_state is HostState.READY and p.device_state is not DeviceState.COPYING
                                   and not p.users and not p.waiters), key=self._eviction_key)
+                if not wait:  # a read ahead makes room only from what is needed after it, never from kept units
+                    victims = [p for p in victims if not p.resident and self._needed_after(p, part)]
                 busy = [p for p in self.partitions.values() if p.pending is not None and p.host is not None
                         and p.host.arena == arena]
                 if victims:
@@ -326,6 +329,14 @@ class HostCache:
             f"partition {part.name!r} needs {format_size(part.size)} of host memory but {self.arena_text(arena)} "
             f"is held by partitions in use or homed on host ({names}){split}; release some, or raise it"
         )
+
+    def _needed_after(self, p: Partition, part: Partition) -> bool:
+        """True when `p` is next needed later than `part`, or the order says nothing of `part` (no order yet,
+        or a partition outside it: a saved activation)."""
+        if self.next_use is None:
+            return True
+        need = self.next_use(part)
+        return need in (0.0, math.inf) or self.next_use(p) > need
 
     def _eviction_key(self, part: Partition) -> tuple[bool, bool, float, int]:
         """Sort key of eviction candidates: resident ones last, then prefetched-and-not-yet-used ones; among
