@@ -621,3 +621,61 @@ def test_grads_auto_spills_to_nvme_only_when_they_do_not_fit(tmp_path, caplog, b
             with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters()),
                                 **{**extra, "grads.tier": "cpu"}):
                 pass
+
+
+@pytest.mark.parametrize("available,tier", [(1 << 40, "memory"), (12 << 20, "nvme")])
+def test_activations_auto_goes_to_nvme_only_when_host_memory_beside_the_budget_is_short(
+        tmp_path, monkeypatch, available: int, tier: str) -> None:
+    """activations.tier auto (the default) keeps saved activations in memory when the host memory left beside
+    memory.host_budget holds the parameters' size, else sends them to NVMe, where they really go; the plan
+    says which and why, and training is exact either way."""
+    import tiermem.offload
+
+    monkeypatch.setattr(tiermem.offload, "_host_memory_available", lambda: available)
+    settings = {**cfg(tmp_path), "memory.host_budget": "12MiB", "activations.buffer": "1MiB",
+                "activations.min_bytes": 1}
+    assert "activations.tier" not in settings  # the default
+    seen: list[tuple[str, str, int]] = []
+
+    def check(tm: Any) -> None:
+        act = tm.plan["activations"]
+        seen.append((act["tier"], tm.plan_summary(), tm.stats().get("activations_saved_bytes", 0)))
+
+    models.gpt2_training_matches(settings, width=64, vocab=500, shape=(2, 8), steps=2, check=check)
+    (chosen, line, saved), = seen
+    assert chosen == tier and f"activations in {tier} (auto: " in line, line
+    assert (saved > 0) == (tier == "nvme")
+
+
+@pytest.mark.parametrize("tier", ["memory", "nvme"])
+def test_an_explicit_activations_tier_is_kept_whatever_the_memory(tmp_path, monkeypatch, tier: str) -> None:
+    """activations.tier memory or nvme, set in the config, is kept whether host memory is short or plentiful,
+    and the plan names no auto reason."""
+    import tiermem.offload
+
+    for available in (0, 1 << 40):
+        monkeypatch.setattr(tiermem.offload, "_host_memory_available", lambda a=available: a)
+        model = mlp()
+        with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters()),
+                            **cfg(tmp_path, **{"memory.host_budget": "8MiB", "activations.buffer": "1MiB",
+                                               "activations.tier": tier})) as tm:
+            assert tm.config.activations.tier == tm.plan["activations"]["tier"] == tier
+            assert "auto" not in tm.plan_summary().split("activations in")[1].split(";")[0]
+
+
+def test_activations_auto_stays_in_memory_without_training_or_nvme(tmp_path, monkeypatch) -> None:
+    """auto keeps activations in memory, short of host memory or not, without an optimizer, with no other
+    tier on NVMe, or when activations.buffer would take over a quarter of the host budget; the plan says why."""
+    import tiermem.offload
+
+    monkeypatch.setattr(tiermem.offload, "_host_memory_available", lambda: 0)
+    model = mlp()
+    cases = [({}, False, "no optimizer"),
+             ({"params.tier": "cpu", "optimizer.tier": "cpu", "grads.tier": "cpu"}, True, "no other tier is on nvme"),
+             ({"activations.buffer": "4MiB"}, True, "more than a quarter of memory.host_budget")]
+    for extra, train, why in cases:
+        opt = torch.optim.AdamW(model.parameters()) if train else None
+        with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"memory.host_budget": "8MiB",
+                                                                     "activations.buffer": "1MiB", **extra})) as tm:
+            assert tm.config.activations.tier == "memory"
+            assert why in tm.plan["activations"]["why"] and why in tm.plan_summary()

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 PARAM_TIERS = ("device", "cpu", "nvme")
 STATE_TIERS = ("cpu", "nvme")
 UPDATES = ("lazy", "step")
-ACTIVATION_TIERS = ("memory", "nvme")
+ACTIVATION_TIERS = ("auto", "memory", "nvme")
 CPU_ALLOCATORS = ("auto", "tiermem", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
 # Spellings people carry over from other tools; suggested, not accepted.
@@ -307,9 +307,11 @@ class ActivationsConfig:
 
     SECTION: ClassVar[str] = "activations"
 
-    tier: str = "memory"
-    """Where saved activations wait for backward: ``memory`` (where autograd keeps them) or ``nvme``
-    (written to swap as forward makes them, read back ahead of backward's use, newest first)."""
+    tier: str = "auto"
+    """Where saved activations wait for backward: ``memory`` (where autograd keeps them), ``nvme`` (written
+    to swap as forward makes them, read back ahead of backward's use, newest first), or ``auto``: entry
+    picks ``nvme`` when training with another tier on NVMe and the host memory left beside
+    memory.host_budget is less than the parameters' size, else ``memory`` (see docs/config.md)."""
 
     min_bytes: int = field(default=256 * 1024, metadata=_BYTES)
     """Saved tensors whose storage is smaller than this stay in memory (with ``tier: nvme``), as do views of

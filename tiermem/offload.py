@@ -58,6 +58,7 @@ class OffloadHandle:
         self.closed = False  # the context has ended: the parameters are ordinary tensors again, the swap is gone
         self.saved: tuple[str, int] | None = None  # (path, optimizer progress) of the last checkpoint written
         self.plan: dict[str, Any] = {}  # what goes where and why, as entry chose it (logged at entry)
+        self.activations_why = "activations.tier"  # why saved activations rest where they do (auto's reason)
         self._tracer: Tracer | None = None  # recording a trace (trace.path or tm.trace())
 
     def plan_summary(self) -> str:
@@ -270,6 +271,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                            "optimizer state; save it with tm.save_checkpoint(dir) instead")
     raised = False  # the with-block raised: with several ranks, exit cannot count on the others to gather
     config = _rank_paths(load_config(config, **overrides), ranks)
+    # before the swapper: with nvme, the activations' buffer is carved out of the host pool it makes
+    config, activations_why = _choose_activations_tier(config, model, optimizer, ranks)
     swapper = TensorSwapper(config, engine=engine)
     swapper.defer_registration = True  # until the parameters are in their partitions (_place_model registers the pool)
     if ranks.sharded:
@@ -292,6 +295,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
         runtime = _place_model(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed, ranks)
         handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
+        handle.activations_why = activations_why
         for mod in model.modules():  # every submodule too: none of them may enter another context
             setattr(mod, _ATTR, handle)
         if optimizer is not None:
@@ -385,6 +389,85 @@ def _apply_recorded_updates(handle: OffloadHandle) -> Exception | None:
     return None
 
 
+# [Note: activations auto]
+# `activations.tier: auto` (the default) is settled at entry, before the host pool is made (with nvme,
+# activations.buffer is carved out of it), into `memory` or `nvme`, and the config then says which; the
+# plan line gives the reason. Saved activations go to NVMe only when all of these hold:
+# - there is an optimizer (a training step saves activations; without one, nvme would only take
+#   activations.buffer from the host budget);
+# - another tier is already on NVMe (a config that uses none gets no swap files for activations);
+# - activations.buffer is at most a quarter of memory.host_budget (the rest stays for the partitions);
+# - the host memory left beside the host budget (`_host_memory_available` less memory.host_budget) is
+#   less than the parameters' bytes in the compute dtype. That is the estimate of what a step's saved
+#   activations hold, made before any batch is seen: a transformer's reach its parameters' size at a few
+#   hundred tokens per step (GPT-2 small: 0.29 GB at 2 x 128 tokens, 0.5 GB of fp32 weights), and
+#   training steps take thousands. Below it, activations kept in memory would push the process past what
+#   the machine or its cgroup gives it; at or above it, memory is kept, the faster place.
+# With several ranks the choice is one for all (their configs must be the same): nvme if any rank's
+# memory calls for it. An explicit `memory` or `nvme` is kept as set.
+
+
+def _host_memory_available() -> int | None:
+    """Bytes of host memory this process could still take now: MemAvailable of /proc/meminfo, or less where
+    its cgroup (v2) caps it (memory.max less memory.current); None where neither can be read."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            rel = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), None)
+        if rel is not None:
+            base = os.path.join("/sys/fs/cgroup", rel.lstrip("/"))
+            with open(os.path.join(base, "memory.max")) as f:
+                limit = f.read().strip()
+            if limit != "max":
+                with open(os.path.join(base, "memory.current")) as f:
+                    found.append(max(0, int(limit) - int(f.read())))
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(found) if found else None
+
+
+def _choose_activations_tier(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                             ranks: Ranks) -> tuple[Config, str]:
+    """`cfg` with activations.tier settled, and why (see [Note: activations auto])."""
+    if cfg.activations.tier != "auto":
+        return cfg, "activations.tier"
+    nvme, why = _activations_auto(cfg, model, optimizer)
+    if ranks.sharded:
+        anyone = bool(ranks.all_reduce(torch.tensor([float(nvme)]), "max")[0])
+        if anyone and not nvme:
+            why = "auto: another rank's host memory cannot hold a step's activations"
+        nvme = anyone
+    return load_config(cfg, **{"activations.tier": "nvme" if nvme else "memory"}), why
+
+
+def _activations_auto(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[bool, str]:
+    """Whether `auto` sends saved activations to NVMe on this rank, and why."""
+    budget, buffer = cfg.memory.host_budget, cfg.activations.buffer
+    if optimizer is None:
+        return False, "auto: no optimizer, no training step"
+    if "nvme" not in (cfg.params.tier, cfg.optimizer.tier, cfg.grads.tier):
+        return False, "auto: no other tier is on nvme"
+    if 4 * buffer > budget:
+        return False, (f"auto: activations.buffer ({format_size(buffer)}) is more than a quarter of "
+                       f"memory.host_budget ({format_size(budget)})")
+    available = _host_memory_available()
+    if available is None:
+        return False, "auto: this host's free memory cannot be read"
+    override = dtype_of(cfg.params.dtype)
+    need = sum(p.numel() * (override or p.dtype).itemsize for p in model.parameters())
+    left = available - budget
+    if left >= need:
+        return False, (f"auto: {format_size(left)} of host memory beside the budget holds a step's activations, "
+                       f"taken as the parameters' {format_size(need)}")
+    return True, (f"auto: {format_size(max(left, 0))} of host memory beside the budget is less than a step's "
+                  f"activations, taken as the parameters' {format_size(need)}")
+
+
 def _rank_paths(cfg: Config, ranks: Ranks) -> Config:
     """nvme.paths and trace.path with ``{rank}`` and ``{local_rank}`` filled in (LOCAL_RANK as torchrun sets
     it), so that one config gives each rank, or each GPU's rank on a machine, drives and a trace of its own:
@@ -413,7 +496,8 @@ def _plan(handle: OffloadHandle) -> dict[str, Any]:
         "units": len(units), "device": str(handle.device),
         "params": {"bytes": sum(u.partition.size for u in units), "tier": cfg.params.tier,
                    "largest_unit_bytes": max((u.partition.size for u in units), default=0)},
-        "activations": {"tier": cfg.activations.tier, "host_bytes": cfg.activations.host_bytes},
+        "activations": {"tier": cfg.activations.tier, "host_bytes": cfg.activations.host_bytes,
+                        "why": handle.activations_why},
         "host_budget": handle.swapper.pool.nbytes,
     }
     if opt is not None:
@@ -439,8 +523,10 @@ def _plan_text(plan: dict[str, Any]) -> str:
         parts.append(f"grads {where('grads')} ({plan['grads']['why']})")
         parts.append(f"optimizer state {where('optimizer_state')}")
     act = plan["activations"]
-    parts.append(f"activations in {act['tier']}"
-                 + (f" ({format_size(act['host_bytes'])} of the host budget)" if act["host_bytes"] else ""))
+    extra = [act["why"]] if act.get("why", "activations.tier") != "activations.tier" else []
+    if act["host_bytes"]:
+        extra.append(f"{format_size(act['host_bytes'])} of the host budget")
+    parts.append(f"activations in {act['tier']}" + (f" ({'; '.join(extra)})" if extra else ""))
     pool = f"host budget {format_size(plan['host_budget'])}"
     if "host_kept_bytes" in plan:
         pool += (f": {format_size(plan['host_kept_bytes'])} kept for good, {format_size(plan['host_step_bytes'])} "
