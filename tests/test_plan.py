@@ -229,3 +229,19 @@ def test_step_time_bound_holds_against_a_measured_step(tmp_path, monkeypatch, ca
         read = tm.stats()["bytes_read"] / passes
     assert read >= p.nvme_read_bytes
     assert real >= p.step_seconds_min, (real, p.step_seconds_min)
+
+
+@pytest.mark.parametrize("available", [0, 1 << 40], ids=["short", "plenty"])
+def test_activations_auto_plans_the_tier_entry_chooses(tmp_path, monkeypatch, available: int) -> None:
+    """With activations.tier auto (the default), the plan settles it as entry does, from the same probe of the
+    host's free memory: nvme when little is free beside the budget, memory when plenty is."""
+    import tiermem.offload
+
+    monkeypatch.setattr(tiermem.offload, "_host_memory_available", lambda: available)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    settings = cfg(tmp_path, "64MiB", **{"optimizer.tier": "nvme", "activations.buffer": "8MiB"})
+    p = plan(model, optimizer=opt, **settings)
+    with tiered_offload(model, optimizer=opt, **settings) as tm:
+        assert p.entry["activations"] == tm.plan["activations"]
+    assert p.entry["activations"]["tier"] == ("nvme" if available == 0 else "memory"), p.entry["activations"]

@@ -679,3 +679,24 @@ def test_activations_auto_stays_in_memory_without_training_or_nvme(tmp_path, mon
                                                                      "activations.buffer": "1MiB", **extra})) as tm:
             assert tm.config.activations.tier == "memory"
             assert why in tm.plan["activations"]["why"] and why in tm.plan_summary()
+
+
+def test_restore_optimizer_keeps_fp32_state_when_params_train_in_float16(tmp_path) -> None:
+    """restore_optimizer=True with params.dtype float16 on an fp32 model: the state copied into the optimizer at
+    exit is the fp32 state kept inside, bit for bit (it was loaded while the parameters were still float16, and
+    torch cast it to them)."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, restore_optimizer=True,
+                        **cfg(tmp_path, **{"params.dtype": "float16"})) as tm:
+        for x, y in batches(6):
+            tm.optimizer.zero_grad()
+            tm.backward(nn.functional.mse_loss(model(x.half()).float(), y))
+            tm.optimizer.step()
+        inside = tm.optimizer.state_dict()["state"]
+        assert inside and tm.optimizer.skipped_steps < 6
+    outside = opt.state_dict()["state"]
+    assert next(model.parameters()).dtype == torch.float32
+    for k, st in inside.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert outside[k][name].dtype == torch.float32 and torch.equal(outside[k][name], st[name]), (k, name)

@@ -39,6 +39,7 @@ waited for as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -87,14 +88,17 @@ class Ranks:
 
     @classmethod
     def of(cls, group: Any = None) -> Ranks:
-        """`group`, else the default process group when torch.distributed is initialised, else one rank. Called
-        once per tiered_offload entry, on every rank alike."""
+        """`group`, else the default process group when torch.distributed is initialised, else one rank."""
         import torch.distributed as dist
 
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls()
-        world = dist.get_world_size(group)
-        return cls(group, dist.get_rank(group), world, scope=f"tiermem/entry{next(_ENTRIES)}" if world > 1 else "")
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def for_entry(self) -> Ranks:
+        """These ranks with the store keys of a new tiered_offload entry (see [Note: a rank that fails]);
+        every rank enters the same contexts in the same order, so they count alike."""
+        return dataclasses.replace(self, scope=f"tiermem/entry{next(_ENTRIES)}") if self.sharded else self
 
     @property
     def sharded(self) -> bool:

@@ -265,7 +265,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
         raise OffloadError(f"optimizer: {type(optimizer).__name__} is not supported under tiered_offload; use one "
                            f"of {names}")
-    ranks = Ranks.of(process_group)
+    ranks = Ranks.of(process_group).for_entry()
     if ranks.sharded and restore_optimizer:
         raise OffloadError("restore_optimizer=True with several ranks: each rank holds only its chunks of the "
                            "optimizer state; save it with tm.save_checkpoint(dir) instead")
@@ -330,8 +330,11 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                     unapplied = _apply_recorded_updates(handle)
                     handle.runtime.remove_hooks()
                     _undelegate(optimizer, patched)
+                    kept_state = None
                     if restore_optimizer and handle.optimizer is not None and optimizer is not None:
-                        optimizer.load_state_dict(handle.optimizer.state_dict())  # training goes on outside
+                        # read from its tiers now, loaded once the parameters are back: the original
+                        # optimizer casts state to its parameters' dtype, which params.dtype changes inside
+                        kept_state = handle.optimizer.state_dict()
                     elif (handle.optimizer is not None and handle.optimizer.has_state()
                           and (handle.saved is None or handle.saved[1] != handle.optimizer.progress())):
                         log.warning("leaving tiered_offload: the optimizer state stays behind (it lives in "
@@ -339,7 +342,11 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                                     "tm.save_checkpoint(dir), or pass restore_optimizer=True to copy it into the "
                                     "optimizer on exit%s", f" (the last checkpoint, {handle.saved[0]}, is older)"
                                     if handle.saved is not None else "")
-                    _unpack(handle, restore, raised)
+                    try:
+                        _unpack(handle, restore, raised)
+                    finally:
+                        if kept_state is not None and optimizer is not None:
+                            optimizer.load_state_dict(kept_state)  # training goes on outside
                     _write_trace(handle, raised)
                     if unapplied is not None and not raised:
                         raise unapplied

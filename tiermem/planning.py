@@ -62,7 +62,7 @@ from tiermem.distributed import Ranks
 from tiermem.errors import BudgetError, OffloadError, OptimizerError
 from tiermem.io.bandwidth import GB, cached_bandwidth
 from tiermem.io.buffers import align_up
-from tiermem.offload import _check_fits, _plan, _plan_text, _rank_paths, _unit_specs
+from tiermem.offload import _check_fits, _choose_activations_tier, _plan, _plan_text, _rank_paths, _unit_specs
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.wrap import WrapPlan, dtype_of, plan_units
@@ -278,6 +278,7 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
         raise OffloadError(f"checkpoint: {os.fspath(checkpoint)} does not exist; pass the .safetensors file or "
                            "its index")
     opt = _optimizer(model, optimizer)
+    cfg, activations_why = _choose_activations_tier(cfg, model, opt, Ranks())  # auto settled as entry does
     tie = getattr(model, "tie_weights", None)
     if checkpoint is not None and callable(tie):
         tie()  # as entry does for a model built empty
@@ -314,7 +315,7 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
                                f"{budget_text}"))
     train = _training(opt, units, swapper, override, fixes) if opt is not None else None
     handle = _Stub(config=cfg, units=units, device=resolve_device(cfg.device), swapper=swapper,
-                   optimizer=train.stub if train is not None else None)
+                   optimizer=train.stub if train is not None else None, activations_why=activations_why)
     entry = _plan(cast(Any, handle))
 
     sizes = {i: lay.size for i, lay in enumerate(layouts)}
