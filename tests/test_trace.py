@@ -37,9 +37,14 @@ def _train(model: torch.nn.Module, tm: Any, steps: int) -> None:
         tm.optimizer.step()
 
 
+def _tracks(trace: dict[str, Any]) -> dict[int, str]:
+    return {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+
+
 def _spans(trace: dict[str, Any], track: str) -> list[dict[str, Any]]:
-    tid = next(e["tid"] for e in trace["traceEvents"] if e["ph"] == "M" and e["args"]["name"] == track)
-    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tid]
+    """The spans of `track`; "read" and "write" gather every directory's track of that direction."""
+    tids = {tid for tid, name in _tracks(trace).items() if name == track or name.startswith(f"{track} ")}
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] in tids]
 
 
 def test_a_trace_of_training_has_every_units_compute_and_update_and_every_transfer(tmp_path) -> None:
@@ -60,13 +65,56 @@ def test_a_trace_of_training_has_every_units_compute_and_update_and_every_transf
         assert {f"forward {name}", f"backward {name}"} <= compute, (name, compute)
     assert {e["name"] for e in _spans(trace, "optimizer")} == {f"update {n}" for n in trained}
     assert _spans(trace, "wait")
-    reads, writes = _spans(trace, "nvme read"), _spans(trace, "nvme write")
+    reads, writes = _spans(trace, "read"), _spans(trace, "write")
     assert reads and writes and all(e["args"]["bytes"] > 0 and e["args"]["ok"] for e in reads + writes)
     # the context's reads and writes until stats(), then exit's: at least what stats() counted
     assert sum(e["args"]["bytes"] for e in reads) >= stats["bytes_read"] > 0
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
     held = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == "bytes held"]
     assert held and max(e["args"]["host"] for e in held) > 0
+
+
+def test_each_swap_directory_has_a_read_and_a_write_track_with_its_pieces(tmp_path, compute_device) -> None:
+    """With two nvme.paths (striped), every transfer has a span on "read DIR" / "write DIR" of each directory
+    its stripes touch, with the bytes, tier, swap file and offset there; each transfer's spans add up to what
+    stats() counts; copies to and from the device are spans on "copy" exactly on a device with memory of its
+    own (none on the CPU); waits name their partition, updates that waited for their state say so; the bytes
+    held include NVMe and are sampled at each acquisition and each transfer's completion."""
+    model = _model()
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    path = tmp_path / "t.json"
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        **_cfg(tmp_path, **{"nvme.paths": dirs, "nvme.stripe_size": "4KiB"})) as tm:
+        _train(model, tm, 1)
+        tm.reset_stats()
+        with tm.trace(path):
+            _train(model, tm, 2)
+        stats = tm.stats()
+    trace = json.loads(path.read_text())
+    names = set(_tracks(trace).values())
+    assert {f"{op} {d}" for op in ("read", "write") for d in dirs} <= names, names
+    assert trace["otherData"]["io_tracks"][f"read {dirs[1]}"] == {"op": "read", "path": dirs[1]}
+    reads, writes = _spans(trace, "read"), _spans(trace, "write")
+    for e in reads + writes:
+        d = _tracks(trace)[e["tid"]].split(" ", 1)[1]
+        assert e["args"]["file"].startswith(d + "/") and e["args"]["offset"] % 4096 == 0 and e["args"]["ok"]
+        assert e["args"]["tier"] == ("nvme->host" if e in reads else "host->nvme")
+    assert sum(e["args"]["bytes"] for e in reads) <= stats["bytes_read"]
+    per_read: dict[tuple[str, float], int] = {}  # a transfer: its partition and when it began
+    for e in reads:
+        per_read[(e["name"], e["ts"])] = per_read.get((e["name"], e["ts"]), 0) + 1
+    assert max(per_read.values()) == 2  # a partition over 4 KiB is striped over both directories
+    copies = _spans(trace, "copy")
+    if compute_device is None:
+        assert not copies
+    else:
+        assert {e["args"]["to"] for e in copies} >= {"device"} and all(e["args"]["bytes"] > 0 for e in copies)
+    waits = _spans(trace, "wait")
+    assert all("partition" in e["args"] for e in waits if e["args"].get("kind") != "state")
+    assert any(e["args"].get("kind") == "state" for e in waits)
+    held = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == "bytes held"]
+    assert max(e["args"]["nvme"] for e in held) > 0
+    assert len(held) >= len(_spans(trace, "compute")) + len(per_read)
 
 
 def test_tm_trace_records_a_block_and_its_reads_are_what_stats_counts(tmp_path) -> None:
@@ -84,7 +132,7 @@ def test_tm_trace_records_a_block_and_its_reads_are_what_stats_counts(tmp_path) 
                     pass
         stats = tm.stats()
     trace = json.loads((tmp_path / "block.json").read_text())
-    assert 0 < sum(e["args"]["bytes"] for e in _spans(trace, "nvme read")) <= stats["bytes_read"]
+    assert 0 < sum(e["args"]["bytes"] for e in _spans(trace, "read")) <= stats["bytes_read"]
     assert min(e["ts"] for e in trace["traceEvents"] if e["ph"] == "X") >= 0
     assert not (tmp_path / "other.json").exists()
     with tiered_offload(model, **_cfg(tmp_path)) as tm:
@@ -116,11 +164,10 @@ def _synthetic() -> dict[str, Any]:
     t.span("compute", "forward a", 0, 100)
     t.span("compute", "forward b", 150, 250)
     t.span("wait", "wait b", 100, 150, unit=1)
-    t.span("nvme read", "b", 50, 200, bytes=3_000_000, ok=True)
+    t.span("read /nvme", "b", 50, 200, bytes=3_000_000, ok=True)
     return {"traceEvents": json.loads(json.dumps(t.events)) + [
-        {"name": "thread_name", "ph": "M", "pid": 1, "tid": k + 1, "args": {"name": n}}
-        for k, n in enumerate(("compute", "wait", "optimizer", "nvme read", "nvme write"))],
-        "otherData": {"config": t.config}}
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": n}}
+        for n, tid in t._tids.items()], "otherData": {"config": t.config}}
 
 
 def test_the_report_measures_overlap_and_waits_exactly_and_names_the_setting() -> None:
@@ -188,7 +235,7 @@ def test_the_plot_draws_every_span_and_the_waits_per_unit(tmp_path, monkeypatch)
     assert stalls == {"b": pytest.approx(50e-6)}
     timeline, bars = drawn[0].axes
     rows = [t.get_text() for t in timeline.get_yticklabels()]
-    assert rows == ["compute", "wait", "nvme read"]
+    assert rows == ["compute", "wait", "read /nvme"]
     spans = {row: len(c.get_paths()) for row, c in zip(rows, timeline.collections, strict=True)}
     events = _synthetic()["traceEvents"]
     tid = {e["args"]["name"]: e["tid"] for e in events if e.get("ph") == "M"}

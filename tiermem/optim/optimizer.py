@@ -612,9 +612,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         held: list[Partition] = []
         views: dict[str, dict[str, torch.Tensor]] = {}
         try:
+            waited = self.tracer.now() if self.tracer is not None else 0.0
             for part in self._update_order(st):
                 views[part.name] = sw.acquire(part, Tier.HOST)
                 held.append(part)
+            if self.tracer is not None and self.tracer.now() - waited > 1.0:  # its state's reads were waited for
+                self.tracer.span("wait", f"wait state {st.unit.name}", waited, unit=st.unit.index,
+                                 partitions=[p.name for p in held], kind="state")
             params, grads = views[st.unit.partition.name], views[st.grads.name]
             state = views[st.state.name] if st.state is not None else {}
             check_host(f"the update of unit {st.unit.name!r}", *params.values(), *grads.values(), *state.values())

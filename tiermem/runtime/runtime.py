@@ -395,9 +395,10 @@ class Runtime:
         assert self.tracer is not None
         now = self.tracer.now()
         if now - began > 1.0:  # a microsecond and more: something was waited for
-            self.tracer.span("wait", f"wait {unit.name}", began, now, unit=unit.index)
+            self.tracer.span("wait", f"wait {unit.name}", began, now, unit=unit.index,
+                             partition=unit.partition.name, gather=unit.ranks.sharded)
         self._bound_at[unit.index] = now
-        self.tracer.counter("bytes held", {t: self.swapper.ledger.now(t) for t in ("host", "device")})
+        self.tracer.held(self.swapper.ledger, self.swapper.cache.store_if_open)
 
     def prefetch_pending(self) -> None:
         """`step()` recorded updates: start reading what the next pass's first units' updates need."""

@@ -36,7 +36,7 @@ from tiermem.errors import BudgetError, CorruptDataError, StoreError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.backends import create_engine
 from tiermem.io.buffers import HostBufferPool, PoolBuffer, align_up
-from tiermem.io.engine import IOEngine
+from tiermem.io.engine import IOEngine, Piece
 from tiermem.io.future import IOFuture
 from tiermem.sizes import format_size
 from tiermem.store import SwapStore
@@ -168,22 +168,26 @@ class HostCache:
             part.mark_dirty()
         elif part.device_state is DeviceState.READY and part.device_data is not None:
             part.attach_host(buf, self.ledger)  # home device: the device copy is the one to copy from
+            began = self.tracer.now() if self.tracer is not None else 0.0
             self.mover.synchronize(self.mover.to_host(part.device_data, buf.tensor()))
+            if self.tracer is not None and self.mover.has_own_memory:
+                self.tracer.copy("host", part.name, began, part.size)
         else:
             assert part.extent is not None
             with deferred_interrupts():  # the state says "reading" only once the read is queued
                 tracer = self.tracer  # the trace recording when the read starts gets its span
                 began = tracer.now() if tracer is not None else 0.0
                 fut = self.store.read(part.extent, buf.view, part.size)  # raises before any change
+                pieces = self.store.pieces(part.extent, part.size) if tracer is not None else []  # its spans
                 part.attach_host(buf, self.ledger, HostState.READING)
                 part.pending = fut
-                fut.add_done_callback(lambda f: self._read_done(part, f, tracer, began))
+                fut.add_done_callback(lambda f: self._read_done(part, f, tracer, began, pieces))
         self.complete_waiters(part)
 
-    def _read_done(self, part: Partition, fut: IOFuture, tracer: Tracer | None = None, began: float = 0.0) -> None:
+    def _read_done(self, part: Partition, fut: IOFuture, tracer: Tracer | None = None, began: float = 0.0,
+                   pieces: list[Piece] | None = None) -> None:
         if tracer is not None:
-            tracer.span("nvme read", part.name, began, bytes=part.size, ok=fut.exception() is None,
-                             swap_dirs=list(self.store.run_dirs))
+            tracer.transfer("read", part.name, began, pieces or [], ok=fut.exception() is None)
         with self.lock:
             part.pending = None
             error = fut.exception()
@@ -209,6 +213,8 @@ class HostCache:
                     f._chunk_done(error)
                 return
             self.bytes_read += part.size
+            if tracer is not None:
+                tracer.held(self.ledger, self._store)
             part.read_done()
             if self.on_read is not None:
                 self.on_read(part)
@@ -229,6 +235,7 @@ class HostCache:
             tracer = self.tracer
             began = tracer.now() if tracer is not None else 0.0
             raw = self.store.write(part.extent, part.host.view, nbytes)  # raises before any change
+            pieces = self.store.pieces(part.extent, nbytes) if tracer is not None else []  # its spans
             if checksum is not None:
                 part.checksum = checksum
             part.write_started()
@@ -237,15 +244,14 @@ class HostCache:
             # what callers wait on completes after _write_done has recorded the write, not when the bytes land
             done = IOFuture(raw.nbytes, 1)
             part.pending = done
-            raw.add_done_callback(lambda f: self._write_done(part, f, done, tracer, began))
+            raw.add_done_callback(lambda f: self._write_done(part, f, done, tracer, began, pieces))
         return done
 
     def _write_done(self, part: Partition, fut: IOFuture, done: IOFuture, tracer: Tracer | None = None,
-                    began: float = 0.0) -> None:
+                    began: float = 0.0, pieces: list[Piece] | None = None) -> None:
         error = fut.exception()
         if tracer is not None:
-            tracer.span("nvme write", part.name, began, bytes=fut.nbytes, ok=error is None,
-                             swap_dirs=list(self.store.run_dirs))
+            tracer.transfer("write", part.name, began, pieces or [], ok=error is None)
         try:
             with self.lock:
                 part.pending = None
@@ -255,6 +261,8 @@ class HostCache:
                     log.error("write-back of partition %r failed: %s", part.name, str(error))
                     return
                 self.bytes_written += fut.nbytes
+                if tracer is not None:
+                    tracer.held(self.ledger, self._store)
                 if part.version == part.written_version:  # else it changed while the write was in flight
                     part.mark_clean()
                 if (part.free_after_write and not part.waiters and not part.users and not part.dirty

@@ -422,10 +422,16 @@ class TensorSwapper:
                 raise StateError(f"partition {part.name!r} released more often than acquired (in {tier} memory)")
             device, host = part.device_data, part.host
         if dirty:  # the copy outside the lock: the partition is still held, so nothing moves it meanwhile
+            tracer = self.cache.tracer
+            began = tracer.now() if tracer is not None else 0.0
             if tier == Tier.DEVICE and device is not None and host is not None:
                 self.mover.synchronize(self.mover.to_host(device, host.tensor()))
+                if tracer is not None:
+                    tracer.copy("host", part.name, began, part.size)
             elif tier == Tier.HOST and device is not None and host is not None:
                 part.ready_event = self.mover.to_device_into(host.tensor(), device)
+                if tracer is not None:
+                    tracer.copy("device", part.name, began, part.size)
         with self._lock:
             part.holders[tier] -= 1
             self._clock += 1
@@ -539,8 +545,12 @@ class TensorSwapper:
             part.reserve_device(self.ledger)
             host = part.host
             assert host is not None
+        tracer = self.cache.tracer
+        began = tracer.now() if tracer is not None else 0.0
         try:
             data, event = self.mover.to_device(host.tensor()) if self.mover.has_own_memory else (None, None)
+            if tracer is not None and data is not None:
+                tracer.copy("device", part.name, began, part.size)
         except BaseException:
             with self._lock:
                 part.drop_device(self.ledger)
