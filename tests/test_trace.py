@@ -182,7 +182,88 @@ def test_the_report_measures_overlap_and_waits_exactly_and_names_the_setting() -
     assert s["io_overlapped_with_compute"] == pytest.approx(100 / 150)
     assert s["read_bytes"] == 3_000_000 and s["read_gbps"] == pytest.approx(20.0)
     assert s["waits_by_unit"] == {"b": pytest.approx(50e-6)}
-    assert "prefetch.depth from 2 to 3" in s["advice"][0]
+    assert s["wait_reasons"] == [{"reason": "in_flight", "what": pytest.approx(s["wait_reasons"][0]["what"]),
+                                  "seconds": pytest.approx(50e-6), "waits": 1, "share": 1.0}]
+    assert s["deeper_window"]["hidden_seconds"] == 0  # b's read began before anything else was fetched
+    assert "I/O-bound: 5e-05 s of the waits were reads in flight" in s["advice"][0]
+
+
+def _trace_of(spans: list[tuple[str, str, float, float, dict[str, Any]]], depth: int = 1) -> dict[str, Any]:
+    from tiermem.trace import Tracer
+
+    t = Tracer({"prefetch": {"depth": depth}, "nvme": {"paths": ["/nvme"]}})
+    for track, name, a, b, args in spans:
+        t.span(track, name, a, b, **args)
+    return {"traceEvents": json.loads(json.dumps(t.events)) + [
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": n}}
+        for n, tid in t._tids.items()], "otherData": {"config": t.config}}
+
+
+def test_waits_are_put_down_to_their_reasons_and_a_deeper_window_is_estimated_from_the_disk_idle() -> None:
+    """Five units, window 1 (microseconds): c's read was issued at b's fetch and d's at c's, both in flight
+    when needed; e's only at its own fetch (not issued); a state wait and a gather are their own reasons. One
+    unit deeper issues each read one fetch earlier, as far as the disk was idle: c's at a's fetch (idle 60 of
+    the 100 before, its wait 60: hides 60), d's not at all (c's read kept the disk busy), e's at d's fetch
+    (idle 100, its wait 50: hides 50): 110 of the 200 waited in all."""
+    from tiermem.trace import summarize
+
+    r = {"bytes": 1_000_000, "ok": True}
+    s = summarize(_trace_of([
+        ("compute", "forward a", 0, 100, {"unit": 0}),
+        ("read /nvme", "b", 0, 40, r),
+        ("compute", "forward b", 100, 200, {"unit": 1}),
+        ("read /nvme", "c", 100, 260, r),
+        ("wait", "wait c", 200, 260, {"unit": 2, "partition": "c"}),
+        ("compute", "forward c", 260, 360, {"unit": 2}),
+        ("read /nvme", "d", 200, 400, r),
+        ("wait", "wait d", 360, 400, {"unit": 3, "partition": "d"}),
+        ("compute", "forward d", 400, 500, {"unit": 3}),
+        ("wait", "wait e", 500, 550, {"unit": 4, "partition": "e"}),
+        ("read /nvme", "e", 500, 550, r),
+        ("compute", "forward e", 550, 600, {"unit": 4}),
+        ("wait", "wait state a", 600, 630, {"unit": 0, "kind": "state"}),
+        ("wait", "wait f", 630, 650, {"unit": 5, "partition": "f", "gather": True}),
+        ("compute", "forward f", 650, 700, {"unit": 5}),
+    ]))
+    reasons = {w["reason"]: (w["seconds"], w["waits"]) for w in s["wait_reasons"]}
+    assert reasons == {"in_flight": (pytest.approx(100e-6), 2), "not_issued": (pytest.approx(50e-6), 1),
+                       "state": (pytest.approx(30e-6), 1), "gather": (pytest.approx(20e-6), 1)}
+    assert [w["reason"] for w in s["wait_reasons"]] == ["in_flight", "not_issued", "state", "gather"]
+    assert s["deeper_window"] == {"depth": 1, "to": 2, "hidden_seconds": pytest.approx(110e-6),
+                                  "wait_seconds": pytest.approx(200e-6)}
+    assert s["advice"][0].startswith("prefetch.depth 1 -> 2 would have hidden 0.00011 s of 0.0002 s stall")
+
+
+def test_bandwidth_per_direction_and_directory_is_set_against_the_cached_bench_figure(tmp_path) -> None:
+    """Each directory's reads are measured while in flight and set beside what `tiermem bench io` cached for its
+    filesystem (two directories on one filesystem share it); with nothing cached, each says which bench io to
+    run; the direction's figure covers both directories (in flight on either)."""
+    from tiermem.io.bandwidth import save_bench_results
+    from tiermem.trace import summarize
+
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    fast.mkdir()
+    cache = str(tmp_path / "cache" / "bench-io.json")
+    save_bench_results([str(fast)], [{"mode": "read", "gbps_mean": 4.0, "engine": "io_uring", "block_size": 1 << 20,
+                                      "queue_depth": 32, "direct": True}], cache)
+    trace = _trace_of([("read " + str(fast), "a", 0, 1000, {"bytes": 2_000_000}),
+                       ("read " + str(slow), "a", 0, 2000, {"bytes": 2_000_000})])
+    trace["otherData"]["io_tracks"] = {f"read {fast}": {"op": "read", "path": str(fast)},
+                                       f"read {slow}": {"op": "read", "path": str(slow)}}
+    os_slow = str(slow)
+    s = summarize(trace, bench_cache=cache)
+    rows = {r["paths"][0]: r for r in s["bandwidth"]["by_path"]}
+    assert rows[str(fast)]["gbps"] == pytest.approx(2.0) and rows[str(fast)]["bench_gbps"] == 4.0
+    assert rows[str(fast)]["of_bench"] == pytest.approx(0.5) and "bench_note" not in rows[str(fast)]
+    assert rows[os_slow]["gbps"] == pytest.approx(1.0) and rows[os_slow]["of_bench"] == pytest.approx(0.25)
+    assert s["read_bytes"] == 4_000_000 and s["read_gbps"] == pytest.approx(2.0)
+    assert s["bandwidth"]["read"]["bench_gbps"] == 4.0
+    s = summarize(trace, bench_cache=str(tmp_path / "none.json"))
+    rows = {r["paths"][0]: r for r in s["bandwidth"]["by_path"]}
+    assert rows[os_slow]["bench_gbps"] is None
+    assert rows[os_slow]["bench_note"] == f"run tiermem bench io --path {os_slow}"
+    assert s["bandwidth"]["read"]["bench_note"] == f"run tiermem bench io --path {fast} --path {os_slow}"
+    assert s["bandwidth"]["read"]["paths"] == [str(fast), os_slow]
 
 
 def test_tiermem_report_reads_a_real_trace_and_refuses_what_is_not_one(tmp_path, capsys) -> None:
@@ -197,7 +278,8 @@ def test_tiermem_report_reads_a_real_trace_and_refuses_what_is_not_one(tmp_path,
             _train(model, tm, 2)
     assert main(["report", str(tmp_path / "t.json")]) == 0
     out = capsys.readouterr().out
-    assert "computing (forward and backward)" in out and "advice:" in out
+    assert "computing (forward and backward)" in out and "advice:" in out and "why compute waited:" in out
+    assert "GB/s while in flight" in out
     assert main(["report", "--json", str(tmp_path / "t.json")]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(summarize(
         json.loads((tmp_path / "t.json").read_text()))))

@@ -179,6 +179,11 @@ def _io_op(track: str) -> str | None:
     return None
 
 
+def _dir_of(track: str) -> str:
+    """The swap directory of an I/O track ("nvme" for the one pair of tracks of older traces)."""
+    return "nvme" if track in ("nvme read", "nvme write") else track.split(" ", 1)[1]
+
+
 def _io_tracks(by_track: dict[str, list[dict[str, Any]]], op: str | None = None) -> list[str]:
     """The I/O tracks (of direction `op`, or both), in the order they first appeared."""
     return [t for t in by_track if _io_op(t) and (op is None or _io_op(t) == op)]
@@ -230,11 +235,15 @@ def plot(trace: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, float
     return stalls
 
 
-def summarize(trace: dict[str, Any]) -> dict[str, Any]:
+def summarize(trace: dict[str, Any], bench_cache: str | None = None) -> dict[str, Any]:
     """What a trace says: time busy computing, updating, waiting and moving bytes (seconds), how much of the
-    I/O ran while compute did, the units waited for longest, the bandwidth achieved per direction, and what
-    to change. Raises ValueError when `trace` is not a tiermem trace."""
+    I/O ran while compute did, the units waited for longest, the bandwidth achieved per direction and per swap
+    directory against what `tiermem bench io` measured there (cached in `bench_cache`, default
+    `bench_cache_path()`), the reasons compute waited, what a deeper prefetch window would have hidden, and
+    what to change. Raises ValueError when `trace` is not a tiermem trace."""
     by_track, start, wall = _spans_by_track(trace)
+    other = trace.get("otherData", {}) if isinstance(trace.get("otherData"), dict) else {}
+    config = other.get("config", {}) if isinstance(other.get("config"), dict) else {}
 
     def busy(track: str) -> list[tuple[float, float]]:
         return _union([(e["ts"], e["ts"] + e["dur"]) for e in by_track[track]])
@@ -247,30 +256,214 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
         "compute_seconds": _length(busy("compute")) / 1e6,
         "update_seconds": _length(busy("optimizer")) / 1e6,
         "wait_seconds": _length(busy("wait")) / 1e6,
+        "copy_seconds": _length(busy("copy")) / 1e6,
         "io_busy_seconds": _length(io) / 1e6,
         "io_overlapped_with_compute": _overlap(io, working) / _length(io) if io else None,
         "waits_by_unit": dict(sorted(((k, v / 1e6) for k, v in waits.items()), key=lambda kv: -kv[1])[:5]),
     }
-    for key in _OPS:
-        tracks = _io_tracks(by_track, key)
-        nbytes = sum(e["args"].get("bytes", 0) for t in tracks for e in by_track[t])
-        t = _length(_union([span for track in tracks for span in busy(track)])) / 1e6
-        out[f"{key}_bytes"] = nbytes
-        out[f"{key}_gbps"] = nbytes / t / 1e9 if t > 0 else None
-    out["advice"] = _advice(out, trace.get("otherData", {}).get("config", {}))
+    out.update(_bandwidth(by_track, other, config, bench_cache))
+    classified = _classify_waits(by_track)
+    out["wait_reasons"] = _wait_reasons(classified)
+    out["deeper_window"] = _deeper_window(by_track, classified, config)
+    out["advice"] = _advice(out, config)
     return out
+
+
+# -- achieved bandwidth against `tiermem bench io` -----------------------------------------------------------
+def _bandwidth(by_track: dict[str, list[dict[str, Any]]], other: dict[str, Any], config: dict[str, Any],
+               bench_cache: str | None) -> dict[str, Any]:
+    """read_/write_bytes and _gbps (all directories, while any transfer of that direction was in flight), and
+    "bandwidth": the same per direction and per directory, each beside the cached `tiermem bench io` figure
+    for its filesystem ("bench_gbps", "of_bench") or the command that measures it ("bench_note")."""
+    from tiermem.io.bandwidth import cached_bandwidth
+
+    named = other.get("io_tracks", {}) if isinstance(other.get("io_tracks"), dict) else {}
+    configured = [str(p) for p in config.get("nvme", {}).get("paths", [])] if isinstance(
+        config.get("nvme"), dict) else []
+    out: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    per_op: dict[str, dict[str, Any]] = {}
+
+    def figures(op: str, tracks: list[str], paths: list[str]) -> dict[str, Any]:
+        nbytes = sum(e["args"].get("bytes", 0) for t in tracks for e in by_track[t])
+        seconds = _length(_union([(e["ts"], e["ts"] + e["dur"]) for t in tracks for e in by_track[t]])) / 1e6
+        gbps = nbytes / seconds / 1e9 if seconds > 0 else None
+        cached = cached_bandwidth(paths, bench_cache) if paths else None
+        bench = cached.get(f"{op}_gbps") if cached else None
+        row: dict[str, Any] = {"op": op, "paths": paths, "bytes": nbytes, "busy_seconds": seconds, "gbps": gbps,
+                               "bench_gbps": bench, "of_bench": gbps / bench if gbps and bench else None}
+        if bench is None:
+            where = " ".join(f"--path {p}" for p in paths) if paths else "--path DIR"
+            row["bench_note"] = f"run tiermem bench io {where}"
+        return row
+
+    for op in _OPS:
+        tracks = _io_tracks(by_track, op)
+        paths: list[str] = []
+        for track in tracks:
+            path = named.get(track, {}).get("path") if isinstance(named.get(track), dict) else None
+            if path is None and track.startswith(f"{op} "):
+                path = track[len(op) + 1:]
+            track_paths = [path] if path else configured  # "nvme read" of older traces: every configured path
+            if by_track[track]:
+                rows.append({"track": track, **figures(op, [track], track_paths)})
+            paths += [p for p in track_paths if p not in paths]
+        per_op[op] = figures(op, tracks, paths)
+        out[f"{op}_bytes"] = per_op[op]["bytes"]
+        out[f"{op}_gbps"] = per_op[op]["gbps"]
+    out["bandwidth"] = {**per_op, "by_path": rows}
+    return out
+
+
+# -- why compute waited ----------------------------------------------------------------------------------------
+# [Note: wait reasons]
+# Each wait span is put down to one reason, from the spans around it:
+# - "state": an update waited for its unit's optimizer state (kind "state");
+# - "gather": the unit is gathered from several ranks (gather true);
+# - "not_issued": the unit's read began only once it was needed (at or after the wait began): the prefetch
+#   window did not reach it in time (too small, or no room in it);
+# - "in_flight": its read was issued before it was needed and was still in flight: the disk was the limit,
+#   unless it was idle before the read was issued (which `_deeper_window` measures);
+# - "other": no read of it overlapped the wait (a copy to the device, room being made).
+# `_deeper_window` estimates what prefetch.depth + 1 would have hidden: a window one unit deeper issues each
+# unit's read one acquisition earlier (an acquisition: a unit's forward or backward fetch, the start of its
+# wait or of its compute). For each "not_issued" and "in_flight" wait, the read could have started that much
+# earlier only as far as its directories' disk was idle in between (transfers queue behind the ones already
+# there), and it hides at most the part of the wait before the read ended. An estimate: it assumes the window
+# had room for one unit more, and it takes the read to last as long when issued earlier.
+_REASONS = {
+    "not_issued": "read not yet issued when the unit was needed (prefetch window too small or too late)",
+    "in_flight": "read issued but still in flight when needed (disk-bound)",
+    "gather": "waiting for the unit's gather from the other ranks",
+    "state": "the lazy update waiting for the unit's optimizer state to be read",
+    "other": "other (a copy to the device, room being made in host memory)",
+}
+
+
+def _reads(by_track: dict[str, list[dict[str, Any]]]) -> dict[str, list[tuple[float, float, list[str]]]]:
+    """Each partition's reads: (start, end, their tracks), a striped transfer's spans merged into one."""
+    merged: dict[tuple[str, float], list[Any]] = {}
+    for track in _io_tracks(by_track, "read"):
+        for e in by_track[track]:
+            got = merged.setdefault((e["name"], e["ts"]), [e["ts"], e["ts"] + e["dur"], []])
+            got[1] = max(got[1], e["ts"] + e["dur"])
+            got[2].append(track)
+    out: dict[str, list[tuple[float, float, list[str]]]] = {}
+    for (name, _), (a, b, tracks) in merged.items():
+        out.setdefault(name, []).append((a, b, tracks))
+    return out
+
+
+def _classify_waits(by_track: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every wait span with its reason (see [Note: wait reasons]) and, for those put down to a read, the read."""
+    reads = _reads(by_track)
+    out = []
+    for e in by_track["wait"]:
+        args = e.get("args", {})
+        w0, w1 = e["ts"], e["ts"] + e["dur"]
+        read = None
+        if args.get("kind") == "state":
+            reason = "state"
+        elif args.get("gather"):
+            reason = "gather"
+        else:
+            part = args.get("partition") or e["name"].removeprefix("wait ")
+            overlapping = [r for r in reads.get(part, []) if r[0] < w1 and r[1] > w0]
+            if overlapping:
+                read = min(overlapping)
+                reason = "not_issued" if read[0] >= w0 else "in_flight"
+            else:
+                reason = "other"
+        out.append({"start": w0, "end": w1, "reason": reason, "read": read, "name": e["name"]})
+    return out
+
+
+def _wait_reasons(classified: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Seconds and count of waits per reason, the largest first."""
+    total: dict[str, list[float]] = {}
+    for w in classified:
+        got = total.setdefault(w["reason"], [0.0, 0])
+        got[0] += w["end"] - w["start"]
+        got[1] += 1
+    whole = sum(v[0] for v in total.values())
+    return [{"reason": r, "what": _REASONS[r], "seconds": v[0] / 1e6, "waits": int(v[1]),
+             "share": v[0] / whole if whole else 0.0}
+            for r, v in sorted(total.items(), key=lambda kv: -kv[1][0])]
+
+
+def _acquisitions(by_track: dict[str, list[dict[str, Any]]]) -> list[float]:
+    """When each unit's fetch began: its compute span's start, or the start of the wait that ended there."""
+    waits_ending = {(e.get("args", {}).get("unit"), round(e["ts"] + e["dur"], 1)): e["ts"] for e in by_track["wait"]
+                    if e.get("args", {}).get("kind") != "state"}
+    return sorted(waits_ending.get((e.get("args", {}).get("unit"), round(e["ts"], 1)), e["ts"])
+                  for e in by_track["compute"])
+
+
+def _deeper_window(by_track: dict[str, list[dict[str, Any]]], classified: list[dict[str, Any]],
+                   config: dict[str, Any]) -> dict[str, Any]:
+    """What prefetch.depth + 1 would have hidden of the waits (see [Note: wait reasons]): the depth from and
+    to, the seconds hidden and the seconds of all waits."""
+    import bisect
+
+    prefetch = config.get("prefetch", {}) if isinstance(config.get("prefetch"), dict) else {}
+    depth = prefetch.get("depth") if isinstance(prefetch.get("depth"), int) else None
+    acquired = _acquisitions(by_track)
+    busy_by_track = {t: _union([(e["ts"], e["ts"] + e["dur"]) for e in by_track[t]]) for t in _io_tracks(by_track)}
+    dirs: dict[str, list[str]] = {}  # the tracks of each directory: its reads and its writes
+    for track in busy_by_track:
+        dirs.setdefault(_dir_of(track), []).append(track)
+    hidden = 0.0
+    for w in classified:
+        if w["read"] is None:
+            continue
+        r0, r1, tracks = w["read"]
+        j = bisect.bisect_right(acquired, r0 + 1.0) - 1  # the acquisition that issued it (1 µs of slack)
+        if j < 1:
+            continue  # nothing was fetched before: no earlier moment to issue it at
+        earlier = acquired[j - 1]
+        disk = _union([span for t in tracks for d in dirs[_dir_of(t)] for span in busy_by_track[d]])
+        idle = (r0 - earlier) - _overlap(disk, [(earlier, r0)])
+        hidden += max(0.0, min(idle, min(w["end"], r1) - w["start"]))
+    stall = sum(w["end"] - w["start"] for w in classified)
+    return {"depth": depth, "to": depth + 1 if depth is not None else None, "hidden_seconds": hidden / 1e6,
+            "wait_seconds": stall / 1e6}
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3g} s"
 
 
 def _advice(s: dict[str, Any], config: dict[str, Any]) -> list[str]:
     wall, wait, io = s["wall_seconds"], s["wait_seconds"], s["io_busy_seconds"]
-    depth = config.get("prefetch", {}).get("depth")
     if wall <= 0 or wait < 0.05 * wall:
-        return [f"compute-bound: waits are {wait:.3f} s of {wall:.3f} s; I/O settings have little to gain"]
-    if io >= 0.9 * wall:
-        return [f"I/O-bound: transfers were in flight {io / wall:.0%} of the time (read "
-                f"{(s['read_gbps'] or 0):.2f} GB/s, write {(s['write_gbps'] or 0):.2f} GB/s): add drives to "
-                "nvme.paths, or raise memory.host_budget so that more stays in host memory"]
-    now = f" from {depth} to {depth + 1}" if isinstance(depth, int) else ""
-    return [f"waits are {wait:.3f} s of {wall:.3f} s while transfers were in flight only {io / wall:.0%} of the "
-            f"time: the reads start too late; raise prefetch.depth{now} (and memory.host_budget if the window "
-            "does not fit)"]
+        return [f"compute-bound: waits are {_s(wait)} of {_s(wall)}; I/O settings have little to gain"]
+    lines = []
+    deeper = s["deeper_window"]
+    stall = deeper["wait_seconds"]
+    if stall > 0 and deeper["hidden_seconds"] >= 0.05 * stall:
+        change = f"{deeper['depth']} -> {deeper['to']}" if deeper["depth"] is not None else "+1"
+        lines.append(f"prefetch.depth {change} would have hidden {_s(deeper['hidden_seconds'])} of {_s(stall)} "
+                     "stall: reads were issued late while the disk was idle (raise memory.host_budget too if the "
+                     "window has no room for one unit more)")
+    reasons = {r["reason"]: r for r in s["wait_reasons"]}
+    read = s["bandwidth"]["read"]
+    disk_bound = "in_flight" in reasons and reasons["in_flight"]["share"] >= 0.5
+    if disk_bound or io >= 0.9 * wall:
+        against = (f" against {read['bench_gbps']:.2f} GB/s that tiermem bench io measured there"
+                   if read.get("bench_gbps") else f" ({read['bench_note']} to compare)" if read.get("bench_note")
+                   else "")
+        what = (f"{_s(reasons['in_flight']['seconds'])} of the waits were reads in flight" if disk_bound else
+                f"transfers were in flight {io / wall:.0%} of the time")
+        lines.append(f"I/O-bound: {what} (read {(s['read_gbps'] or 0):.2f} GB/s{against}, write "
+                     f"{(s['write_gbps'] or 0):.2f} GB/s): add drives to nvme.paths, or raise memory.host_budget "
+                     "so that more stays in host memory")
+    if "state" in reasons and reasons["state"]["share"] >= 0.3:
+        lines.append(f"the lazy update waited {_s(reasons['state']['seconds'])} for optimizer state: raise "
+                     "memory.host_budget so that its reads start earlier, or set optimizer.tier cpu if it fits")
+    if not lines:
+        depth = config.get("prefetch", {}).get("depth") if isinstance(config.get("prefetch"), dict) else None
+        now = f" from {depth} to {depth + 1}" if isinstance(depth, int) else ""
+        lines.append(f"waits are {_s(wait)} of {_s(wall)} while transfers were in flight only {io / wall:.0%} of "
+                     f"the time: the reads start too late; raise prefetch.depth{now} (and memory.host_budget if "
+                     "the window does not fit)")
+    return lines

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from tiermem.errors import ConfigError
 
@@ -41,17 +42,41 @@ def run(args: argparse.Namespace) -> int:
     wall = s["wall_seconds"]
     print(f"{args.trace}: {wall:.3f} s recorded")
     for key, what in (("compute_seconds", "computing (forward and backward)"), ("update_seconds", "updating"),
-                      ("wait_seconds", "waiting for units"), ("io_busy_seconds", "with transfers in flight")):
+                      ("wait_seconds", "waiting for units or their state"),
+                      ("io_busy_seconds", "with transfers in flight")):
         print(f"  {what:<36} {s[key]:8.3f} s  {s[key] / wall:6.1%}" if wall else f"  {what}: {s[key]:.3f} s")
     if s["io_overlapped_with_compute"] is not None:
         print(f"  I/O that ran while computing or updating: {s['io_overlapped_with_compute']:.1%}")
+    if s["copy_seconds"]:
+        print(f"  copying between host and device: {s['copy_seconds']:.3f} s")
+    bandwidth = s["bandwidth"]
     for key in ("read", "write"):
-        gbps = s[f"{key}_gbps"]
-        print(f"  {key}: {s[f'{key}_bytes'] / 1e6:.1f} MB" + (f" at {gbps:.2f} GB/s while in flight" if gbps else ""))
+        print(f"  {key}: {_rate(bandwidth[key])}")
+        rows = [r for r in bandwidth["by_path"] if r["op"] == key]
+        if len(rows) > 1 or (rows and rows[0]["paths"] != bandwidth[key]["paths"]):
+            for r in rows:
+                print(f"    {', '.join(r['paths']) or r['track']}: {_rate(r)}")
     if s["waits_by_unit"]:
         print("  waited longest for: " + ", ".join(f"{k} {v:.3f} s" for k, v in s["waits_by_unit"].items()))
+    if s["wait_reasons"]:
+        print("  why compute waited:")
+        for r in s["wait_reasons"]:
+            print(f"    {r['seconds']:8.3f} s {r['share']:6.1%}  {r['waits']:>5} waits  {r['what']}")
     for line in s["advice"]:
         print(f"advice: {line}")
     if args.plot:
         print(f"drawn into {args.plot}")
     return 0
+
+
+def _rate(row: dict[str, Any]) -> str:
+    """Bytes moved, GB/s while in flight, and the `tiermem bench io` figure for the same drive."""
+    text = f"{row['bytes'] / 1e6:.1f} MB"
+    if row["gbps"]:
+        text += f" at {row['gbps']:.2f} GB/s while in flight"
+    if row["bench_gbps"]:
+        share = f", {row['of_bench']:.0%} of" if row["of_bench"] else "; "
+        text += f"{share} the {row['bench_gbps']:.2f} GB/s tiermem bench io measured there"
+    elif row["bytes"]:
+        text += f" (no bench figure for this drive: {row['bench_note']})"
+    return text
