@@ -31,6 +31,7 @@ from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadErr
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.engine import IOEngine
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
+from tiermem.quant import Quantization
 from tiermem.runtime.runtime import Runtime
 from tiermem.runtime.safetensors_io import SafetensorsCheckpoint
 from tiermem.runtime.sources import WeightSources
@@ -77,6 +78,7 @@ class OffloadHandle:
         With ``adapters_only=True`` (a PEFT model), write only its active adapter in PEFT's own format
         (adapter_model.safetensors and adapter_config.json), for ``PeftModel.from_pretrained(base, path)``."""
         self._check_open("save_checkpoint")
+        self._check_whole("tm.save_checkpoint()")
         if self.optimizer is not None:
             self.optimizer.flush()  # what step() recorded is part of the weights and state saved
         final = save_checkpoint(self._contents(), path, max_shard_bytes, adapters_only=adapters_only)
@@ -196,11 +198,18 @@ class OffloadHandle:
         if self.optimizer is not None:
             self.optimizer.tracer = tracer
 
+    def _check_whole(self, what: str) -> None:
+        """Refuse `what` when the weights are stored compressed: it would write or edit rounded weights."""
+        if self.config.params.storage != "full":
+            raise OffloadError(f"{what}: params.storage is {self.config.params.storage}, so only rounded weights are "
+                               "kept (see tiermem/quant.py); use params.storage: full to save or edit them")
+
     @contextmanager
     def gathered(self, *modules: nn.Module) -> Iterator[None]:
         """Make the parameters of `modules` (default: the whole model) real tensors for a block of code
         outside forward, e.g. to inspect or edit weights; edits are kept (written back as needed)."""
         self._check_open("tm.gathered()")
+        self._check_whole("tm.gathered()")
         wanted = modules or (self.model,)
         ids = {id(p) for m in wanted for p in m.parameters()}
         indices = [u.index for u in self.units if any(id(p) in ids for _, p in u.params)]
@@ -273,6 +282,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     config = _rank_paths(load_config(config, **overrides), ranks)
     # before the swapper: with nvme, the activations' buffer is carved out of the host pool it makes
     config, activations_why = _choose_activations_tier(config, model, optimizer, ranks)
+    _check_storage(config, optimizer, restore, ranks)
     swapper = TensorSwapper(config, engine=engine)
     swapper.defer_registration = True  # until the parameters are in their partitions (_place_model registers the pool)
     if ranks.sharded:
@@ -621,10 +631,37 @@ def _place_model(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.
     return runtime
 
 
-def _unit_specs(up: UnitPlan, override: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
-    """(FQN, meta tensor) for each parameter of a unit, in its storage dtype (params.dtype applied)."""
-    return [(fqn, torch.empty(p.shape, dtype=override if override is not None and p.is_floating_point() else p.dtype,
-                              device="meta")) for fqn, p in up.params.items()]
+def _unit_specs(up: UnitPlan, override: torch.dtype | None,
+                quant: Quantization | None = None) -> list[tuple[str, torch.Tensor]]:
+    """(FQN, meta tensor) for each parameter of a unit, in its compute dtype (params.dtype applied); with
+    `quant`, the slots each compressed parameter is stored in instead (see [Note: compressed weights])."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for fqn, p in up.params.items():
+        meta = torch.empty(p.shape, dtype=override if override is not None and p.is_floating_point() else p.dtype,
+                           device="meta")
+        out.extend(quant.specs(fqn, meta) if quant is not None and quant.applies(meta) else [(fqn, meta)])
+    return out
+
+
+def _quantization(cfg: Config) -> Quantization | None:
+    return Quantization.of(cfg.params.storage, cfg.params.group_size)
+
+
+def _check_storage(cfg: Config, optimizer: torch.optim.Optimizer | None, restore: bool, ranks: Ranks) -> None:
+    """Compressed weights are for inference from a checkpoint: refuse what they would silently spoil."""
+    storage = cfg.params.storage
+    if storage == "full":
+        return
+    if optimizer is not None:
+        raise OffloadError(f"params.storage: {storage} stores weights compressed for inference, and training needs "
+                           "them whole; set params.storage: full to train")
+    if restore:
+        raise OffloadError(f"params.storage: {storage} keeps only rounded weights, so leaving could not give the "
+                           "model its own back; pass restore=False (for a model built on the meta device and "
+                           "streamed from checkpoint=...), or use params.storage: full")
+    if ranks.sharded:
+        raise OffloadError(f"params.storage: {storage} is not supported with several ranks yet; use "
+                           "params.storage: full")
 
 
 def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | None) -> None:
@@ -633,7 +670,7 @@ def _check_fits(plan: WrapPlan, swapper: TensorSwapper, override: torch.dtype | 
     in_host = cfg.params.tier == "cpu" or (cfg.params.tier == "device" and not swapper.mover.has_own_memory)
     if not in_host:
         return
-    total = sum(Layout.of(_unit_specs(u, override)).size for u in plan.units)
+    total = sum(Layout.of(_unit_specs(u, override, _quantization(cfg))).size for u in plan.units)
     if total > swapper.partition_budget:
         raise BudgetError(
             f"params.tier: {cfg.params.tier} keeps every parameter in host memory here, {format_size(total)}, but "
@@ -646,7 +683,11 @@ def _place_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: Weigh
                override: torch.dtype | None, holders: dict[int, list[tuple[nn.Module, str]]],
                optimizer: torch.optim.Optimizer | None, ranks: Ranks) -> Unit:
     whole = _unit_specs(up, override)
-    specs = chunk_specs(ranks, whole) if ranks.sharded else whole  # this rank's share: see [Note: sharding]
+    quant = _quantization(swapper.config)
+    stored = _unit_specs(up, override, quant) if quant is not None else whole  # see [Note: compressed weights]
+    if len(stored) == len(whole):  # nothing of this unit is compressed (biases, norms): stored as it is
+        stored, quant = whole, None
+    specs = chunk_specs(ranks, whole) if ranks.sharded else stored  # this rank's share: see [Note: sharding]
     shapes = dict(whole)
 
     def fill(views: dict[str, torch.Tensor]) -> None:
@@ -656,6 +697,14 @@ def _place_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: Weigh
         made = sources.initialise([f for f, p in up.params.items() if p.is_meta and names[f] is None])
         for fqn, p in up.params.items():
             name = names[fqn]
+            if quant is not None and f"{fqn}#q" in views:  # read whole, then stored compressed
+                if ckpt is not None and name is not None:
+                    src = torch.empty(shapes[fqn].shape, dtype=shapes[fqn].dtype)
+                    ckpt.read_into(swapper.engine, name, src)
+                else:
+                    src = made[fqn] if fqn in made else p.detach()
+                quant.quantize_into(src, views[f"{fqn}#q"], views[f"{fqn}#scale"])
+                continue
             if not ranks.sharded:
                 if ckpt is not None and name is not None:
                     ckpt.read_into(swapper.engine, name, views[fqn])
@@ -671,7 +720,7 @@ def _place_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: Weigh
 
     part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill, zero=ranks.sharded)
     unit = Unit(index, up.name, list(up.params.items()), part, swapper.device, ranks,
-                Layout.of(whole) if ranks.sharded else None)
+                Layout.of(whole) if ranks.sharded or quant is not None else None, quant)
     replaced: dict[int, nn.Parameter] = {}
     for k, (fqn, p) in enumerate(unit.params):
         if p.is_meta:  # a meta tensor cannot take real storage through .data: give it a real Parameter

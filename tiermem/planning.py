@@ -62,7 +62,15 @@ from tiermem.distributed import Ranks
 from tiermem.errors import BudgetError, OffloadError, OptimizerError
 from tiermem.io.bandwidth import GB, cached_bandwidth
 from tiermem.io.buffers import align_up
-from tiermem.offload import _check_fits, _choose_activations_tier, _plan, _plan_text, _rank_paths, _unit_specs
+from tiermem.offload import (
+    _check_fits,
+    _choose_activations_tier,
+    _plan,
+    _plan_text,
+    _quantization,
+    _rank_paths,
+    _unit_specs,
+)
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.wrap import WrapPlan, dtype_of, plan_units
@@ -290,7 +298,7 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
             up.params.clear()
             up.params.update(order)
     override = dtype_of(cfg.params.dtype)
-    layouts = [Layout.of(_unit_specs(up, override)) for up in wrap.units]
+    layouts = [Layout.of(_unit_specs(up, override, _quantization(cfg))) for up in wrap.units]
     mover = make_mover(resolve_device(cfg.device))
     own_memory = mover.has_own_memory
     mover.close()
@@ -324,7 +332,11 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
     fixed = sum(sizes.values()) if params_home == "device" else 0  # derive_device_cap's partitions homed there
     depth = cfg.prefetch.depth
     window = depth * largest if cfg.prefetch.max_bytes is None else min(depth * largest, cfg.prefetch.max_bytes)
-    device_cap = cfg.memory.device_budget if cfg.memory.device_budget is not None else fixed + 2 * largest + window
+    quant = _quantization(cfg)
+    expanded = 2 * max((Layout.of(_unit_specs(up, override)).size for up in wrap.units
+                        if len(_unit_specs(up, override, quant)) > len(up.params)), default=0) if quant else 0
+    device_cap = (cfg.memory.device_budget if cfg.memory.device_budget is not None
+                  else fixed + 2 * largest + window + expanded)  # as Runtime derives it
     if cfg.memory.device_budget is not None and largest > cfg.memory.device_budget:
         fixes.append(Fix("memory.device_budget", _size_value(largest),
                          f"raise memory.device_budget to at least {format_size(largest)} "

@@ -103,6 +103,8 @@ class Runtime:
             window = min(window, cfg.max_bytes)
         # with several ranks also the unit computing, gathered whole, and the next one's gather in flight
         gathered = max((3 * u.ranks.world * u.nbytes for u in units if u.ranks.sharded), default=0)
+        # compressed units: the two in use expanded into their compute dtype (see [Note: compressed weights])
+        gathered += 2 * max((u.whole.size for u in units if u.quant is not None), default=0)
         swapper.derive_device_cap(largest, window, gathered)
 
     def _next_use(self, part: object) -> float:
@@ -374,6 +376,8 @@ class Runtime:
                 tensors = self.swapper.acquire(part, Tier.DEVICE, before_wait=lambda: self._prefetch(window))
                 if unit.ranks.sharded:  # this rank's chunks: gather the unit whole (see [Note: sharding])
                     tensors = self._finish_gather(unit, self._start_gather(unit))
+                elif unit.quant is not None:  # stored compressed: expand it (see [Note: compressed weights])
+                    tensors = self._expand(unit, tensors)
         except BaseException:
             unit.depth -= 1
             raise
@@ -428,6 +432,17 @@ class Runtime:
         self._uncharge(unit, keep=unit.whole.size)
         return tensors
 
+    def _expand(self, unit: Unit, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Unit `unit`, acquired compressed on the device, expanded into its compute dtype there; that memory
+        is counted on the device's ledger and goes when the unit is unbound."""
+        try:
+            self._charge(unit, unit.whole.size)
+            return unit.expand(stored, self.swapper.mover.empty(unit.whole.size))
+        except BaseException:
+            self._uncharge(unit)
+            self.swapper.release(unit.partition, tier=Tier.DEVICE)
+            raise
+
     def _gather_ahead(self, i: int) -> None:
         """Start gathering the unit the recorded order says comes next in this pass, so the collective runs
         while unit `i` computes. Depends only on the order, so every rank starts the same gathers."""
@@ -472,8 +487,10 @@ class Runtime:
             self._drop_gather(j, g)
 
     def _charge(self, unit: Unit, nbytes: int) -> None:
-        """Count gathered memory on the device's ledger (it counts against memory.device_budget)."""
-        self.swapper.ledger.add("device", nbytes, f"unit {unit.name!r} gathered from {unit.ranks.world} ranks")
+        """Count gathered or expanded memory on the device's ledger (it counts against memory.device_budget)."""
+        how = "expanded from its compressed storage" if unit.quant is not None else \
+            f"gathered from {unit.ranks.world} ranks"
+        self.swapper.ledger.add("device", nbytes, f"unit {unit.name!r} {how}")
         self._charged[unit.index] = self._charged.get(unit.index, 0) + nbytes
 
     def _uncharge(self, unit: Unit, keep: int = 0) -> None:
@@ -496,8 +513,8 @@ class Runtime:
         if dirty and unit.ranks.sharded:  # edits to the gathered unit (tm.gathered()): keep this rank's chunks
             unit.keep_chunks()
         unit.unbind()
-        if unit.ranks.sharded:
-            self._uncharge(unit)  # the gathered copy went with the last reference to it
+        if unit.ranks.sharded or unit.quant is not None:
+            self._uncharge(unit)  # the gathered or expanded copy went with the last reference to it
         if torch.is_autocast_enabled(self.swapper.device.type):
             # autocast caches the low-precision copy of each parameter by the Parameter object until the
             # autocast block ends: without this, every released unit's copy would stay alive on the device

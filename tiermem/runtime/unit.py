@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tiermem.distributed import Gathering, Ranks, finish_gather, start_gather
+from tiermem.quant import Quantization
 from tiermem.swap import Layout, Partition, Tier
 
 
@@ -19,15 +20,17 @@ class Unit:
     parameter, and `whole` lays the unit out whole (see [Note: sharding] in tiermem/distributed.py)."""
 
     def __init__(self, index: int, name: str, params: list[tuple[str, nn.Parameter]], partition: Partition,
-                 device: torch.device, ranks: Ranks | None = None, whole: Layout | None = None) -> None:
+                 device: torch.device, ranks: Ranks | None = None, whole: Layout | None = None,
+                 quant: Quantization | None = None) -> None:
         self.index = index
         self.name = name
         self.params = params  # (FQN, Parameter): the Parameter objects the model and optimizers hold
         self.partition = partition
         self.ranks = ranks if ranks is not None else Ranks()
         self.whole = whole if whole is not None else partition.layout  # the unit's tensors, whole
+        self.quant = quant  # how the partition stores compressed weights (see [Note: compressed weights]), or None
         self.depth = 0  # nested acquisitions in progress (a unit's modules may call each other)
-        dtypes = {slot.name: slot.dtype for slot in partition.layout.slots}  # storage dtype (params.dtype)
+        dtypes = {slot.name: slot.dtype for slot in self.whole.slots}  # compute dtype (params.dtype)
         self.placeholders = [torch.empty(0, dtype=dtypes[fqn], device=device) for fqn, _ in params]
         self.shapes = [tuple(p.shape) for _, p in params]  # the real shapes, for restoring and errors
         self.orig = [(p.dtype, p.device) for _, p in params]  # dtype and device to restore on exit
@@ -50,6 +53,19 @@ class Unit:
         tensors by name."""
         finish_gather(self.ranks, g, self.partition.layout, self.whole, out)
         return self.whole.views(out)
+
+    def expand(self, stored: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The unit in its compute dtype in `out` (`whole.size` bytes on the partition's device), from the
+        compressed partition's tensors `stored` (see [Note: compressed weights] in tiermem/quant.py)."""
+        assert self.quant is not None
+        tensors = self.whole.views(out)
+        with torch.no_grad():
+            for fqn, t in tensors.items():
+                if f"{fqn}#q" in stored:
+                    self.quant.dequantize_into(stored[f"{fqn}#q"], stored[f"{fqn}#scale"], t)
+                else:
+                    t.copy_(stored[fqn])
+        return tensors
 
     def keep_chunks(self) -> None:
         """Copy this rank's chunk of each bound (gathered) parameter back into the partition's device views."""

@@ -200,7 +200,8 @@ class TensorSwapper:
 
     def derive_device_cap(self, largest_unit: int, window_bytes: int, gathered: int = 0) -> None:
         """Cap the device at what stays there for good, plus two units in use, the window and `gathered` (units
-        gathered whole from several ranks), when memory.device_budget is null (see [Note: device budget])."""
+        gathered whole from several ranks, or expanded from compressed storage), when memory.device_budget is
+        null (see [Note: device budget])."""
         if self.config.memory.device_budget is not None:
             return
         with self._lock:
