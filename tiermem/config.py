@@ -34,6 +34,7 @@ __all__ = [
     "PrefetchConfig",
     "WrapConfig",
     "IOConfig",
+    "KVConfig",
     "load_config",
     "format_config",
 ]
@@ -44,6 +45,7 @@ PARAM_TIERS = ("device", "cpu", "nvme")
 STATE_TIERS = ("cpu", "nvme")
 UPDATES = ("lazy", "step")
 ACTIVATION_TIERS = ("auto", "memory", "nvme")
+KV_TIERS = ("memory", "cpu", "nvme", "auto")
 CPU_ALLOCATORS = ("auto", "tiermem", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
 # Spellings people carry over from other tools; suggested, not accepted.
@@ -486,6 +488,28 @@ class TraceConfig:
             self.path = _path("trace.path", self.path)
 
 
+@dataclass
+class KVConfig:
+    """The KV cache of generation (each attention layer's keys and values), see [Note: tiered KV cache]."""
+
+    SECTION: ClassVar[str] = "kv"
+
+    tier: str = "memory"
+    """Where a generation's keys and values rest between decoding steps: ``memory`` (transformers' own cache,
+    outside memory.host_budget), ``cpu`` (in blocks in the host pool, counted in memory.host_budget; an error
+    names this key when they do not fit), ``nvme`` (blocks homed in swap, the host pool their cache, read back
+    ahead of the layer that needs them), or ``auto``: ``cpu`` while the blocks fit the host budget beside the
+    parameters' working set, ``nvme`` for the blocks after that."""
+
+    block_tokens: int = 16
+    """Tokens per block: each layer's keys and values are cut along the sequence into blocks of this many
+    tokens for the whole batch, one partition each; a full block is written once, the last one is appended to."""
+
+    def __post_init__(self) -> None:
+        self.tier = _choice("kv.tier", self.tier, KV_TIERS)
+        self.block_tokens = _int("kv.block_tokens", self.block_tokens, 1, 1 << 20)
+
+
 _SECTIONS: tuple[type[Any], ...] = (
     ParamsConfig,
     OptimizerConfig,
@@ -497,6 +521,7 @@ _SECTIONS: tuple[type[Any], ...] = (
     WrapConfig,
     IOConfig,
     TraceConfig,
+    KVConfig,
 )
 
 
@@ -546,6 +571,9 @@ class Config:
     trace: TraceConfig = field(default_factory=TraceConfig)
     """The timeline trace."""
 
+    kv: KVConfig = field(default_factory=KVConfig)
+    """Where generation's KV cache rests."""
+
     origin: str = field(default="defaults", init=False, compare=False, repr=False)
     """Where this config came from (a file path, "a mapping", "defaults", plus overrides);
     format_config writes it in its header. Not a config key."""
@@ -566,7 +594,7 @@ class Config:
     @property
     def uses_nvme(self) -> bool:
         """True when any tier is ``nvme``, i.e. the NVMe directories and I/O engine are used."""
-        return "nvme" in (self.params.tier, self.optimizer.tier, self.grads.tier, self.activations.tier)
+        return "nvme" in (self.params.tier, self.optimizer.tier, self.grads.tier, self.activations.tier, self.kv.tier)
 
     def _check_combinations(self) -> None:
         """Rules spanning components; each is explained under "Combination rules" in docs/config.md."""

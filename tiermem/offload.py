@@ -134,7 +134,10 @@ class OffloadHandle:
         ``bytes_written`` and the ``host`` entries (``peak_bytes['host']`` is at most the host budget). With
         several ranks (zero otherwise): ``gathered_bytes`` (received by all-gathers), ``gather_wait_seconds``
         (waited for them: the part compute did not hide), ``gathers_ahead`` (gathers started while the unit
-        before computed), ``reduced_bytes`` and ``reduce_seconds`` (gradients' reduce-scatters).
+        before computed), ``reduced_bytes`` and ``reduce_seconds`` (gradients' reduce-scatters). With ``kv.tier``
+        other than memory also ``kv_bytes`` and ``kv_peak_bytes`` (blocks of tiered KV caches), ``kv_host_home_bytes``
+        and ``kv_nvme_home_bytes`` (by home), ``kv_bytes_read`` and ``kv_bytes_written`` (to and from NVMe; also in
+        ``bytes_read``/``bytes_written``) and ``kv_stall_seconds`` (updates waiting for blocks).
         """
         s = self.swapper.stats()
         rt = self.runtime
@@ -157,8 +160,24 @@ class OffloadHandle:
             "evictions": s.evictions,
             "device_budget": self.swapper.device_cap,
             **act,
+            **(rt.kv.stats() if rt.kv is not None else {}),
             **(dataclasses.asdict(rt.units[0].ranks.traffic) if rt.units else {}),
         }
+
+    def kv_cache(self) -> Any:
+        """A transformers DynamicCache for this model whose keys and values rest where kv.tier says (see [Note:
+        tiered KV cache] in tiermem/runtime/kv_cache.py); with kv.tier memory, transformers' own.
+
+        generate() and a forward given a cache no forward has filled get one without it; pass it explicitly to
+        keep it, e.g. to go on from a prompt: ``cache = tm.kv_cache(); model(ids, cache=cache, use_cache=True)``.
+        """
+        self._check_open("tm.kv_cache()")
+        config = getattr(self.model, "config", None)
+        if self.runtime.kv is None:
+            from transformers import DynamicCache
+
+            return DynamicCache(config=config) if config is not None else DynamicCache()
+        return self.runtime.kv.new_cache(config)
 
     def reset_stats(self) -> None:
         """Start a new measuring window (peaks restart from what is held now)."""

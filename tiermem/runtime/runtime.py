@@ -91,6 +91,7 @@ class Runtime:
         self._awaiting_backward = False  # a grad-enabled forward ended; its pass ends with its backward
         self._distance: tuple[int, dict[int, int]] = (-1, {})  # (cursor, unit -> acquisitions until next use)
         self.activations: ActivationStore | None = None  # saved activations on NVMe (activations.tier)
+        self.kv: Any = None  # the tiered KV cache's blocks (kv.tier other than memory), see kv_cache.py
         self.moved_buffers: list[tuple[nn.Module, str, torch.device]] = []  # (module, name, origin) to give back
         self._ahead: tuple[int, Gathering] | None = None  # a unit whose gather started early (several ranks)
         self._charged: dict[int, int] = {}  # unit -> gathered bytes counted on the device's ledger
@@ -138,6 +139,11 @@ class Runtime:
         act = self.swapper.config.activations
         if act.tier == "nvme":
             self.activations = ActivationStore(self.swapper, act.buffer, act.min_bytes)
+        if self.swapper.config.kv.tier != "memory":  # see [Note: tiered KV cache] in kv_cache.py
+            from tiermem.runtime.kv_cache import KVStore  # transformers' cache layers: imported only for it
+
+            self.kv = KVStore(self)
+            self.handles.append(self.model.register_forward_pre_hook(self.kv.on_forward, with_kwargs=True))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
 
@@ -154,6 +160,8 @@ class Runtime:
             self._saved_hooks = None
         if self.activations is not None:
             self.activations.close()
+        if self.kv is not None:
+            self.kv.close()
 
     # -- backward (see [Note: backward]) ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -543,10 +551,21 @@ class Runtime:
                 part = self.units[j].partition
                 if j not in window and not self.swapper.is_on_the_way(part, Tier.HOST):
                     self.swapper.prefetch(part, Tier.HOST)
+        if self.kv is not None and window:
+            self.kv.prefetch(window)  # the KV blocks of the layers these units compute
+
+    def follow(self, part: object, unit: int) -> None:
+        """Evict `part` (a KV block) by the next use of unit `unit`, as the unit's own partition is."""
+        self._unit_of[id(part)] = unit
+
+    def unfollow(self, part: object) -> None:
+        self._unit_of.pop(id(part), None)
 
     def reset_stats(self) -> None:
         if self.activations is not None:
             self.activations.reset_stats()
+        if self.kv is not None:
+            self.kv.reset_stats()
         self.stall_seconds = 0.0
         self.prefetch_hits = self.prefetch_misses = self.passes = 0
         self.schedule.hits = self.schedule.misses = self.schedule.retraces = 0
