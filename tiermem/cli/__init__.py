@@ -1,5 +1,5 @@
 """The `tiermem` command line: `tiermem demo`, `tiermem info`, `tiermem bench io`, `tiermem config check|show`,
-`tiermem report TRACE`, `tiermem plan CONFIG --hf-config config.json`."""
+`tiermem report TRACE`, `tiermem plan CONFIG --hf-config config.json`, `tiermem tune --path DIR`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tiermem.errors import TiermemError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tiermem.cli import bench, config_cmd, demo, info, plan, report
+    from tiermem.cli import bench, config_cmd, demo, info, plan, report, tune
 
     parser = argparse.ArgumentParser(prog="tiermem", description="Tiered memory for PyTorch: device, host RAM, NVMe.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what tiermem does (INFO level)")
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(sub)
     report.register(sub)
     plan.register(sub)
+    tune.register(sub)
     return parser
 
 

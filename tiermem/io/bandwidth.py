@@ -53,6 +53,7 @@ class BenchSpec:
     runs: int = 3
     direct: bool = True
     stripe_size: int | None = None  # default: the block size, so each request maps to one drive
+    sqpoll: bool = False  # io_uring engines poll their submission queue from a kernel thread (io.sqpoll)
 
 
 def system_info(paths: list[str]) -> dict[str, Any]:
@@ -89,7 +90,8 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
                 progress(done, total, label)
 
     for engine_name, bs, qd in combos:
-        with create_engine(engine_name, block_size=bs, queue_depth=qd) as engine, \
+        with create_engine(engine_name, block_size=bs, queue_depth=qd,
+                           sqpoll=spec.sqpoll and engine_name == "io_uring") as engine, \
                 SwapStore(spec.paths, engine, stripe_size=spec.stripe_size or bs, direct=spec.direct) as store, \
                 HostBufferPool(bs * qd, prefault=True) as pool:
             engine.register_buffers(pool.regions)
@@ -125,6 +127,7 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
                     "mode": mode,
                     "block_size": bs,
                     "queue_depth": qd,
+                    "sqpoll": spec.sqpoll and engine_name == "io_uring",
                     "transfer_size": per,
                     "bytes": spec.size,
                     "runs": spec.runs,
@@ -343,7 +346,8 @@ def save_bench_results(paths: list[str], results: list[dict[str, Any]], cache: s
         best = max((r for r in results if r["mode"] == mode), key=lambda r: r["gbps_mean"], default=None)
         if best is not None:
             entry[f"{mode}_gbps"] = best["gbps_mean"]
-            entry[f"{mode}_setting"] = {k: best[k] for k in ("engine", "block_size", "queue_depth", "direct")}
+            entry[f"{mode}_setting"] = {**{k: best[k] for k in ("engine", "block_size", "queue_depth", "direct")},
+                                        "sqpoll": bool(best.get("sqpoll", False))}
     data = _read_cache(cache)
     try:
         key = filesystem_key(paths)
