@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 PARAM_TIERS = ("device", "cpu", "nvme")
 STATE_TIERS = ("cpu", "nvme")
 UPDATES = ("lazy", "step")
+PARAM_STORAGES = ("full", "int8", "int4")  # params.storage: see tiermem/quant.py
 ACTIVATION_TIERS = ("auto", "memory", "nvme")
 KV_TIERS = ("memory", "cpu", "nvme", "auto")
 CPU_ALLOCATORS = ("auto", "tiermem", "torch")
@@ -260,10 +261,24 @@ class ParamsConfig:
     """Storage and compute dtype override (``float32``, ``bfloat16``, ``float16``);
     None keeps each parameter's own dtype."""
 
+    storage: str = "full"
+    """How weights are stored in their tier: ``full`` (as computed), or compressed for inference, ``int8``
+    (a quarter of float32's bytes, plus a float32 scale per group) or ``int4`` (an eighth): read smaller,
+    expanded into the compute dtype after the read. Lossy, so inference only, with ``restore=False``; see
+    [Note: compressed weights] in tiermem/quant.py and docs/benchmarks.md for the error."""
+
+    group_size: int = 128
+    """Values that share one scale with ``storage`` int8/int4 (consecutive elements of a weight); smaller is
+    more exact and stores more scales (4 bytes per group)."""
+
     def __post_init__(self) -> None:
         self.tier = _choice("params.tier", self.tier, PARAM_TIERS)
         if self.dtype is not None:
             self.dtype = _choice("params.dtype", self.dtype, DTYPES, _DTYPE_ALIASES)
+        self.storage = _choice("params.storage", self.storage, PARAM_STORAGES)
+        self.group_size = _int("params.group_size", self.group_size, 8, 1 << 20)
+        if self.group_size % 8:
+            raise ConfigError(f"params.group_size: expected a multiple of 8, got {self.group_size}")
 
 
 @dataclass

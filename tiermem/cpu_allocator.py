@@ -17,9 +17,9 @@ context, one that takes the same 64-byte aligned memory with plain malloc of the
 for the same size, and a freed hole fits it. With it, glibc's trim and mmap thresholds are raised while a
 context uses it (see `_tune_glibc`; `_untune_glibc` puts them back), so that a step's temporaries stay
 resident for the next step instead of being given back and faulted in again. It is C++ against the
-installed torch's headers, so it is built at first use with the system's C++ compiler and cached (see
-`_cache_dir`); ``auto`` falls back to PyTorch's allocator, with a warning, when it cannot be built, and
-``tiermem`` makes that an error.
+installed torch's headers, so it is built at first use by torch.utils.cpp_extension with the system's C++
+compiler and cached (see `_cache_dir`); ``auto`` falls back to PyTorch's allocator, with a warning, when
+it cannot be built, and ``tiermem`` makes that an error.
 Tensors keep the deleter of the allocator that made them, so putting PyTorch's back when the last
 context using tiermem's exits frees everything correctly.
 
@@ -37,7 +37,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,44 +148,46 @@ def _compiler() -> str:
 
 
 def build_cpu_allocator() -> Path:
-    """The shared library of tiermem's CPU allocator for the installed torch, built on first use."""
+    """The shared library of tiermem's CPU allocator for the installed torch, built on first use with
+    PyTorch's own extension builder (torch.utils.cpp_extension: torch's headers, libraries, ABI and flags,
+    ninja, and a lock against two processes building at once) into tiermem's cache, one build per source
+    and torch."""
     import torch
+    from torch.utils import cpp_extension
 
     src = _source()
     root = Path(torch.__file__).resolve().parent
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    key = hashlib.sha256(b"\0".join([src.read_bytes(), torch.__version__.encode(), str(root).encode(),
-                                     str(abi).encode()])).hexdigest()[:16]
-    cache = _cache_dir()
-    out = cache / f"tm_cpu_alloc-{key}.so"
+    key = hashlib.sha256(b"\0".join([src.read_bytes(), torch.__version__.encode(), str(root).encode()])).hexdigest()
+    name = f"tm_cpu_alloc_{key[:16]}"
+    folder = _cache_dir() / name
+    out = folder / f"{name}.so"
     if out.is_file():
         return out
     cxx = _compiler()
     try:
-        cache.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise CPUAllocatorError(f"cannot create the build cache {cache} ({exc.strerror}); set TIERMEM_CACHE_DIR to "
+        raise CPUAllocatorError(f"cannot create the build cache {folder} ({exc.strerror}); set TIERMEM_CACHE_DIR to "
                                 "a writable directory, or set memory.cpu_allocator: torch") from exc
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", dir=cache)
-    os.close(fd)
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           f"-I{root / 'include'}", str(src), f"-L{root / 'lib'}", "-lc10", "-o", tmp]
+    before = os.environ.get("CXX")
+    os.environ["CXX"] = cxx  # the compiler found above, which cpp_extension takes from $CXX
     try:
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise CPUAllocatorError(f"building {src.name} with {cxx} failed ({exc}); set memory.cpu_allocator: "
-                                    "torch to use PyTorch's own allocator") from exc
-        if done.returncode != 0:
-            raise CPUAllocatorError(f"building {src.name} against torch {torch.__version__} failed "
-                                    f"({' '.join(cmd[:2])} ... exited {done.returncode}):\n{done.stderr[-2000:]}\n"
-                                    "set memory.cpu_allocator: torch to use PyTorch's own allocator")
-        os.replace(tmp, out)  # atomic: a process building the same key at once loses nothing
+        built = cpp_extension.load(name=name, sources=[str(src)], build_directory=str(folder), extra_cflags=["-O2"],
+                                   is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        shutil.rmtree(folder, ignore_errors=True)  # nothing half-built is left to be taken for a library
+        said = getattr(exc, "output", None) or getattr(exc, "stderr", None) or b""  # the compiler's own words
+        detail = (said.decode(errors="replace") if isinstance(said, bytes) else str(said)).strip()
+        raise CPUAllocatorError(f"building {src.name} against torch {torch.__version__} with {cxx} failed: "
+                                f"{str(exc)[-1000:]}\n{detail[-2000:]}\nset memory.cpu_allocator: torch to use "
+                                "PyTorch's own allocator") from exc
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    log.info("built tiermem's CPU allocator for torch %s: %s", torch.__version__, out)
-    return out
+        if before is None:
+            os.environ.pop("CXX", None)
+        else:
+            os.environ["CXX"] = before
+    log.info("built tiermem's CPU allocator for torch %s: %s", torch.__version__, built)
+    return Path(built) if isinstance(built, str) else out
 
 
 def _load() -> ctypes.CDLL:
