@@ -12,10 +12,13 @@ token writes a suffix of the last block, the only one that changes. A block that
 (with an NVMe home) and from then on only read; the last, partial block is kept in host memory while the
 partial blocks of every layer take at most an eighth of the host budget. Where blocks rest:
 - cpu: in the host pool for good, counted in memory.host_budget. A block that does not fit beside what the
-  parameters need (the partitions homed on the host, and two of the largest streamed units: the one
-  computing and one read ahead) is a BudgetError naming kv.tier and memory.host_budget;
-- nvme: homed in swap with the host pool as their cache, evicted like the parameters;
-- auto: cpu while the blocks fit as above, nvme for the blocks after that.
+  parameters need (the partitions homed on the host, and room to read the largest streamed unit) is a
+  BudgetError naming kv.tier and memory.host_budget;
+- nvme: homed in swap with the host pool as their cache, evicted like the parameters; an update needs two
+  of its layer's blocks beside the units computing, and a block size that cannot have that names
+  kv.block_tokens;
+- auto: cpu while the blocks leave room for two of the largest streamed units (the one computing and one
+  read ahead), nvme for the blocks after that.
 Each block follows the unit that computes its layer (the unit acquired last among those in use when the
 layer first updates): the runtime's schedule orders its eviction by that unit's next use, and when that
 unit enters the prefetch window its blocks are read to the host with it (`Runtime._prefetch`). At update
@@ -363,13 +366,15 @@ class KVStore:
             n *= s
         return mover.empty(n * dtype.itemsize).view(dtype).view(shape)
 
-    def _room(self) -> tuple[int, int]:
-        """(host bytes blocks homed on the host may take, what the parameters need of the budget)."""
+    def _room(self, streamed: int) -> tuple[int, int]:
+        """(host bytes left for the KV cache, what the parameters need of the budget): the budget less the
+        partitions homed on the host (other than KV blocks) and `streamed` bytes for units read from NVMe."""
         sw = self.swapper
         fixed = sum(p.size for p in sw.partitions.values() if p.home is not Tier.NVME) - self.host_bytes
-        streamed = max((u.partition.size for u in self.runtime.units if u.partition.home is Tier.NVME), default=0)
-        need = fixed + 2 * streamed
-        return sw.partition_budget - need, need
+        return sw.partition_budget - fixed - streamed, fixed + streamed
+
+    def _largest_streamed(self) -> int:
+        return max((u.partition.size for u in self.runtime.units if u.partition.home is Tier.NVME), default=0)
 
     def check_block_fits(self, layer: TieredLayer) -> None:
         """A layer's update holds two of its blocks at once (one read, its partial one): refuse a block size that
@@ -377,7 +382,8 @@ class KVStore:
         if self.tier == "cpu":
             return  # every block stays: `_home` refuses the first that does not fit, naming kv.tier
         size = Layout.of(layer.block_spec()).size
-        room, need = self._room()
+        held = sum(u.partition.size for u in self.runtime.units if u.depth > 0 and u.partition.home is Tier.NVME)
+        room, need = self._room(held)  # the units computing now, and the two blocks
         if 2 * size > room:
             b, h, dk, dv = layer.shape
             raise BudgetError(
@@ -406,7 +412,9 @@ class KVStore:
     def _home(self, layer: TieredLayer, size: int) -> Tier:
         if self.tier == "nvme":
             return Tier.NVME
-        room, need = self._room()
+        # cpu: room for one streamed unit at a time is the least the parameters can run in; auto moves on to NVMe
+        # while the streamed units still have room for one read ahead
+        room, need = self._room((1 if self.tier == "cpu" else 2) * self._largest_streamed())
         if self.host_bytes + size <= room:
             return Tier.HOST
         if self.tier == "auto":
