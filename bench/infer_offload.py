@@ -46,6 +46,20 @@ the run ends in bounded time.
     python3 bench/infer_offload.py --json bench/results/infer_offload.json
 
 A quick debug run: --layers 12 --width 512 --heads 8 --host-budget 128MiB --rounds 1 --forwards 1.
+
+# [Note: generation mode]
+With --generate the same model files serve greedy generation instead: for each batch of --batches, B
+prompts of --prompt random tokens, `model.generate(ids, attention_mask, max_new_tokens=--new-tokens,
+do_sample=False, min_new_tokens=--new-tokens)` once per process and batch (after one untimed 2-token
+generate of one sequence that records tiermem's order), timed whole and per step by forward hooks on the
+model (the first forward is the prompt's prefill, the rest are decoding steps). Variants: (a) in memory,
+(c) tiermem with --kv-tier (default nvme: the KV cache in swap, the host pool its cache, see [Note: tiered
+KV cache] in tiermem/runtime/kv_cache.py) under --host-budget, (d) accelerate cold, its offload folder
+dropped from the page cache before every forward (prefill and each step). tokens/s counts the generated
+tokens, B x --new-tokens, over the whole generate(); decode tokens/s those of the steps after the first
+over the steps' time. Each variant's tokens must equal the in-memory ones.
+
+    python3 bench/infer_offload.py --generate --json bench/results/infer_generate.json
 GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes; GiB = 2**30 bytes.
 """
 
@@ -402,8 +416,177 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# -- generation mode (see [Note: generation mode]) ------------------------------------------------------
+GEN_VARIANTS = (Variant("memory", "(a) in memory", "memory"), Variant("tiermem", "(c) tiermem, KV in tiers", "tiermem"),
+                Variant("accelerate_cold", "(d) accelerate cold", "accelerate", cold=True))
+
+
+def generate_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build one variant, then time one greedy generate() per batch size; return the figures."""
+    import torch
+
+    v = next(x for x in GEN_VARIANTS if x.key == spec["variant"])
+    model_dir = spec["model_dir"]
+    out: dict[str, Any] = {"variant": v.key, "torch_threads": torch.get_num_threads()}
+    tm = None
+    with ExitStack() as stack:
+        t0 = time.perf_counter()
+        cold_files: list[str] = []
+        if v.kind == "memory":
+            from transformers import GPT2LMHeadModel
+
+            model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+        elif v.kind == "tiermem":
+            import tiermem
+
+            model = meta_model(model_dir)
+            overrides = {"device": "cpu", "params.tier": "nvme", "nvme.paths": [spec["swap_dir"]],
+                         "memory.host_budget": spec["host_budget"], "prefetch.depth": spec["prefetch_depth"],
+                         "io.engine": "io_uring", "kv.tier": spec["kv_tier"]}
+            out["tiermem_overrides"] = overrides
+            tm = stack.enter_context(tiermem.tiered_offload(model, checkpoint=os.path.join(model_dir,
+                                                                                           "model.safetensors"),
+                                                            restore=False, **overrides))
+        else:
+            from accelerate import disk_offload
+
+            model = meta_model(model_dir)
+            offload_dir = os.path.join(model_dir, "accelerate-offload")
+            disk_offload(model, offload_dir, execution_device=torch.device("cpu"))
+            cold_files = files_under(offload_dir)
+        out["setup_seconds"] = time.perf_counter() - t0
+        steps: list[float] = []
+        began: list[float] = []
+
+        def before(module: Any, args: Any) -> None:
+            if cold_files:
+                drop_from_page_cache(cold_files)
+            began.append(time.perf_counter())
+
+        def after(module: Any, args: Any, output: Any) -> None:
+            steps.append(time.perf_counter() - began.pop())
+
+        stack.callback(model.register_forward_pre_hook(before).remove)
+        stack.callback(model.register_forward_hook(after).remove)
+
+        def generate(ids: Any, mask: Any, new: int) -> Any:
+            with torch.inference_mode():
+                return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                      do_sample=False, pad_token_id=0)
+
+        gen = torch.Generator().manual_seed(INPUT_SEED)
+        warm = torch.randint(0, model.config.vocab_size, (1, spec["prompt"]), generator=gen)
+        generate(warm, torch.ones_like(warm), 2)  # untimed: records tiermem's order
+        batches = []
+        for b in spec["batches"]:
+            g = torch.Generator().manual_seed(INPUT_SEED + b)
+            ids = torch.randint(0, model.config.vocab_size, (b, spec["prompt"]), generator=g)
+            steps.clear()
+            if tm is not None:
+                tm.reset_stats()
+            rb0, c0, t1 = read_bytes_so_far(), time.process_time(), time.perf_counter()
+            tokens = generate(ids, torch.ones_like(ids), spec["new_tokens"])
+            seconds, cpu, rb1 = time.perf_counter() - t1, time.process_time() - c0, read_bytes_so_far()
+            new = tokens.shape[1] - spec["prompt"]
+            entry: dict[str, Any] = {
+                "batch": b, "seconds": seconds, "cpu_seconds": cpu, "new_tokens": new,
+                "prefill_seconds": steps[0] if steps else None, "decode_seconds": sum(steps[1:]),
+                "steps": len(steps), "tokens_per_second": b * new / seconds,
+                "decode_tokens_per_second": b * (new - 1) / sum(steps[1:]) if len(steps) > 1 else None,
+                "disk_read_bytes": rb1 - rb0 if rb0 is not None and rb1 is not None else None,
+            }
+            if tm is not None:
+                st = tm.stats()
+                entry.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds", "kv_peak_bytes",
+                                                  "kv_bytes_read", "kv_bytes_written", "kv_stall_seconds")})
+                entry["peak_host_bytes"] = st["peak_bytes"]["host"]
+            path = os.path.join(spec["logits_dir"], f"gen-{v.key}-{b}.pt")
+            torch.save(tokens.clone(), path)
+            entry["tokens_file"] = path
+            batches.append(entry)
+            print(f"  {v.label} B={b}: {seconds:.1f} s, {entry['tokens_per_second']:.1f} tok/s", file=sys.stderr,
+                  flush=True)
+        out["batches"] = batches
+        out["peak_rss_bytes"] = peak_rss_bytes()
+    return out
+
+
+def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
+    """The generation mode: every variant in its own process, side by side; see [Note: generation mode]."""
+    import torch
+
+    t_start = time.perf_counter()
+    os.makedirs(args.swap_dir, exist_ok=True)
+    logits_dir = os.path.join(CACHE_DIR, f"tokens-{os.getpid()}")
+    os.makedirs(logits_dir, exist_ok=True)
+    model_dir, info = ensure_model(args.layers, args.width, args.heads)
+    system = describe_system([args.swap_dir])
+    versions = package_versions("tiermem", "torch", "transformers", "accelerate", "safetensors")
+    print_system_header("tiermem generation: KV cache in tiers vs accelerate", system, versions)
+    print(f"  model: GPT2LMHeadModel(n_layer={args.layers}, n_embd={args.width}, n_head={args.heads}), "
+          f"{_gb(info['parameter_bytes'])} GB; host budget {format_size(args.host_budget_bytes)}; kv.tier "
+          f"{args.kv_tier}; batches {args.batches}, prompt {args.prompt}, {args.new_tokens} new tokens\n", flush=True)
+    runs = []
+    try:
+        for v in GEN_VARIANTS:
+            if v.key not in args.gen_variants:
+                continue
+            spec = {"variant": v.key, "model_dir": model_dir, "batches": args.batch_list, "prompt": args.prompt,
+                    "new_tokens": args.new_tokens, "host_budget": args.host_budget, "kv_tier": args.kv_tier,
+                    "prefetch_depth": args.prefetch_depth, "swap_dir": args.swap_dir, "logits_dir": logits_dir}
+            try:
+                runs.append(run_worker(__file__, "_generate", spec, tag=RESULT_TAG, timeout=SUBPROCESS_TIMEOUT_S * 4,
+                                       name=f"worker {v.key}"))
+            except RuntimeError as exc:
+                runs.append({"variant": v.key, "error": str(exc)})
+                print(f"{v.label} FAILED:\n{exc}", file=sys.stderr, flush=True)
+        ref = {e["batch"]: torch.load(e["tokens_file"]) for r in runs if r["variant"] == "memory"
+               for e in r.get("batches", [])}
+        for r in runs:
+            for e in r.get("batches", []):
+                got = torch.load(e.pop("tokens_file"))
+                e["tokens_equal_memory"] = bool(torch.equal(got, ref[e["batch"]])) if e["batch"] in ref else None
+    finally:
+        shutil.rmtree(logits_dir, ignore_errors=True)
+    by = {(r["variant"], e["batch"]): e for r in runs for e in r.get("batches", [])}
+    head = f"{'B':>3} {'variant':<26} {'s':>7} {'tok/s':>7} {'decode tok/s':>12} {'prefill s':>9} {'read GB':>8} " \
+           f"{'KV peak GB':>10} {'same tokens':>11}"
+    print(head)
+    print("-" * len(head))
+    for b in args.batch_list:
+        for v in GEN_VARIANTS:
+            e = by.get((v.key, b))
+            if e is None:
+                continue
+            dec = e["decode_tokens_per_second"]
+            kv = _gb(e["kv_peak_bytes"]) if "kv_peak_bytes" in e else "-"
+            print(f"{b:>3} {v.label:<26} {e['seconds']:>7.1f} {e['tokens_per_second']:>7.2f} "
+                  f"{dec if dec is None else f'{dec:.2f}':>12} {e['prefill_seconds']:>9.1f} "
+                  f"{_gb(e['disk_read_bytes']):>8} {kv:>10} {str(e['tokens_equal_memory']):>11}")
+    ratios = {}
+    for b in args.batch_list:
+        t, m, a = by.get(("tiermem", b)), by.get(("memory", b)), by.get(("accelerate_cold", b))
+        if t is not None:
+            ratios[b] = {"vs_memory": t["tokens_per_second"] / m["tokens_per_second"] if m else None,
+                         "vs_accelerate_cold": t["tokens_per_second"] / a["tokens_per_second"] if a else None}
+            print(f"B={b}: tiermem {ratios[b]['vs_memory'] or float('nan'):.2f} x in memory, "
+                  f"{ratios[b]['vs_accelerate_cold'] or float('nan'):.2f} x accelerate cold (tokens/s)")
+    wall = time.perf_counter() - t_start
+    print(f"\nwhole run {wall:.0f} s")
+    if args.json:
+        write_json(args.json, {"command": " ".join(["python3", "bench/infer_offload.py", *argv]), "system": system,
+                               "versions": versions, "model": {"n_layer": args.layers, "n_embd": args.width,
+                                                               "n_head": args.heads, **info},
+                               "config": {"batches": args.batch_list, "prompt": args.prompt,
+                                          "new_tokens": args.new_tokens, "host_budget": args.host_budget,
+                                          "kv_tier": args.kv_tier, "prefetch_depth": args.prefetch_depth},
+                               "ratios": ratios, "runs": runs, "wall_seconds": wall})
+    return 0
+
+
 # -- subprocesses -------------------------------------------------------------------------------------
-WORKERS = {"_prepare": prepare_worker, "_variant": variant_worker}  # what this file runs as a worker, by kind
+WORKERS = {"_prepare": prepare_worker, "_variant": variant_worker,  # what this file runs as a worker, by kind
+           "_generate": generate_worker}
 
 
 def start_worker(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -659,10 +842,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gate-seconds", type=float, default=600,
                    help="no waiting or reruns after this many seconds from the start (default 600)")
     p.add_argument("--json", metavar="OUT.json", default=None, help="also write every figure to this file")
+    p.add_argument("--generate", action="store_true", help="generation mode (see [Note: generation mode])")
+    p.add_argument("--batches", default="1,8,32,64", help="--generate: batch sizes (default 1,8,32,64)")
+    p.add_argument("--prompt", type=int, default=128, help="--generate: prompt tokens (default 128)")
+    p.add_argument("--new-tokens", type=int, default=32, help="--generate: tokens generated (default 32)")
+    p.add_argument("--kv-tier", default="nvme", help="--generate: tiermem kv.tier (default nvme)")
+    p.add_argument("--gen-variants", default=",".join(v.key for v in GEN_VARIANTS),
+                   help="--generate: comma-separated subset of " + ", ".join(v.key for v in GEN_VARIANTS))
     args = p.parse_args(argv)
     try:
         args.host_budget_bytes = parse_size(args.host_budget, what="--host-budget")
         args.shape_list = parse_shapes(args.shapes)
+        args.batch_list = [int(x) for x in args.batches.split(",")]
     except ValueError as exc:
         p.error(str(exc))
     args.variant_list = [BY_KEY[k] for k in check_variants(p, args.variants, list(BY_KEY))]
@@ -675,6 +866,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] and argv[0] in WORKERS:
         return worker_main(RESULT_TAG, WORKERS[argv[0]], argv[1])
     args = parse_args(argv)
+    if args.generate:
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        return run_generate(args, argv)
     t_start = time.perf_counter()
     os.makedirs(CACHE_DIR, exist_ok=True)
     os.makedirs(args.swap_dir, exist_ok=True)
