@@ -189,8 +189,9 @@ def test_a_failed_transfer_during_training_loses_nothing(tmp_path, kind: str, k:
     raised: BaseException | None = None
     with create_engine("auto", block_size=256 << 10, queue_depth=8) as inner:
         engine = FaultyEngine(inner)
+        # 512 KiB: the three steps read and write nine times each (at 1 MiB all of it stays in host memory)
         with tiered_offload(model, optimizer=opt, engine=engine,
-                            **cfg(tmp_path, **{"memory.host_budget": "1MiB", "optimizer.tier": "nvme"})) as tm:
+                            **cfg(tmp_path, **{"memory.host_budget": "512KiB", "optimizer.tier": "nvme"})) as tm:
             engine.fail(kind, {k}, err)
             try:
                 for ids in data:

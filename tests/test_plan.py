@@ -229,6 +229,30 @@ def test_step_time_bound_holds_against_a_measured_step(tmp_path, monkeypatch, ca
         read = tm.stats()["bytes_read"] / passes
     assert read >= p.nvme_read_bytes
     assert real >= p.step_seconds_min, (real, p.step_seconds_min)
+    with_batch = plan(model, batch=x, **extra)  # the compute's bound too: matrix products at the probe's rate
+    assert with_batch.compute_seconds_min is not None and with_batch.compute_seconds_min > 0, with_batch.compute_note
+    assert with_batch.step_seconds_min == max(p.step_seconds_min, with_batch.compute_seconds_min)
+    assert real >= with_batch.step_seconds_min, (real, with_batch.step_seconds_min)
+    assert "GFLOP of matrix products per pass" in with_batch.compute_note
+
+
+def test_the_compute_bound_holds_for_a_training_step_of_a_transformer(tmp_path) -> None:
+    """A GPT-2 training step (three forwards' matrix products at the probe's best rate) takes at least the
+    compute bound the plan gives for its batch; without a batch there is none, and the note says how."""
+    model = models.gpt2()
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters())
+    assert plan(model, optimizer=opt, **cfg(tmp_path)).compute_seconds_min is None
+    ids = torch.randint(0, 500, (2, 16))
+    p = plan(model, optimizer=opt, batch=ids, **cfg(tmp_path))
+    assert p.compute_seconds_min is not None and "per step (three forwards)" in p.compute_note
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+        step(model, tm, ids)
+        began = time.perf_counter()
+        for _ in range(3):
+            step(model, tm, ids)
+        real = (time.perf_counter() - began) / 3
+    assert real >= p.compute_seconds_min, (real, p.compute_seconds_min)
 
 
 @pytest.mark.parametrize("available", [0, 1 << 40], ids=["short", "plenty"])

@@ -36,12 +36,19 @@ What the ledger will count at peak follows from them:
 - the step-time bound: a pass or step touches every byte of the NVMe partitions it uses; at its start the host
   cache holds at most the budget of them, so at least the rest must be read, and the dirty ones (updated
   parameters and optimizer state) written. Divided by the fastest GB/s `tiermem bench io` measured on the
-  drives (see [Note: bench cache] in tiermem/io/bandwidth.py), that is a time no step can beat.
+  drives (see [Note: bench cache] in tiermem/io/bandwidth.py), that is a time no step can beat. With a batch,
+  the compute gives a second bound: the matrix products' floating-point operations of one forward of it
+  (counted by torch's FlopCounterMode on fake tensors; a training step counts three forwards, backward being
+  two), over the best rate a short probe reaches on the compute device (square products of 1024, 1536 and
+  2048 in the parameters' dtype, the best of three each; about 0.3 s once per process and device). The
+  products a model runs are smaller and its other operations are not counted, so no step beats that either;
+  the step's bound is the larger of the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -181,6 +188,13 @@ class Plan:
     step_note: str
     """How the bound was found, or what to run to get one."""
 
+    compute_seconds_min: float | None = None
+    """The compute's lower bound on a pass or step (its matrix products at the probe's best rate); None
+    without a batch."""
+
+    compute_note: str = ""
+    """How the compute bound was found, or why there is none."""
+
     activations_note: str = ""
     """How the activations were estimated, or why they were not."""
 
@@ -245,6 +259,8 @@ class Plan:
         bound = self.step_seconds_min
         lines.append(f"  step time >= {bound:.4g} s ({self.step_note})" if bound is not None
                      else f"  step time bound unknown: {self.step_note}")
+        if self.compute_seconds_min is not None and bound != self.compute_seconds_min:
+            lines.append(f"  compute >= {self.compute_seconds_min:.4g} s ({self.compute_note})")
         if self.activations_note:
             lines.append(f"  activations: {self.activations_note}")
         if self.fits:
@@ -375,12 +391,18 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
     writes = (max(0, dirty - room) if train is not None else 0) + act_nvme
     bandwidth = cached_bandwidth(cfg.nvme.paths) if cfg.uses_nvme else None
     step_min, note = _step_bound(cfg, reads, writes, bandwidth)
+    compute_min, compute_note = _compute_bound(model, batch, training=train is not None, device=cfg.device,
+                                               dtype=override)
+    if compute_min is not None and (step_min is None or compute_min > step_min):
+        step_min, note = compute_min, f"the compute: {compute_note}" + (f"; the NVMe traffic: {note}"
+                                                                        if step_min is not None else "")
     result = Plan(config=cfg, training=train is not None, units=[(up.name, lay.size) for up, lay in
                                                                   zip(wrap.units, layouts, strict=True)],
                   kinds=kinds, tiers=_by_tier(kinds), peak_bytes=peak, device_budget=device_cap,
                   prefetch_depth=depth_after, resident_bytes=sum(nvme_units[i] for i in resident), entry=entry,
                   swap=swap, fixes=fixes, nvme_read_bytes=reads, nvme_write_bytes=writes, bandwidth=bandwidth,
-                  step_seconds_min=step_min, step_note=note, activations_note=act_note)
+                  step_seconds_min=step_min, step_note=note, activations_note=act_note,
+                  compute_seconds_min=compute_min, compute_note=compute_note)
     log.info("tiermem plan: %s", _plan_text(entry))
     return result
 
@@ -626,6 +648,51 @@ def _batch_inputs(model: nn.Module, batch: Any) -> tuple[tuple[Any, ...], dict[s
     if isinstance(first, torch.Tensor) and not first.is_floating_point() and "input_ids" in takes:
         return (), {"input_ids": first}
     return args, {}
+
+
+def _compute_bound(model: nn.Module, batch: Any, *, training: bool, device: str,
+                   dtype: torch.dtype | None) -> tuple[float | None, str]:
+    """(seconds, how) of the compute's lower bound on a pass or step of `batch` (see the module's notes)."""
+    if batch is None:
+        return None, "no batch: pass batch= (tiermem plan --batch 2x128) for a compute bound"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    try:
+        with FakeTensorMode(), torch.no_grad():
+            state = {n: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype)
+                     for n, t in [*model.named_parameters(), *model.named_buffers()]}
+            args, kwargs = _batch_inputs(model, batch)
+            with FlopCounterMode(display=False) as counter:
+                torch.func.functional_call(model, state, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: no compute bound, the rest stands
+        return None, f"not estimated: the forward on fake tensors failed ({type(exc).__name__}: {exc})"
+    flops = counter.get_total_flops() * (3 if training else 1)
+    rate = _matmul_rate(str(resolve_device(device)), dtype)
+    what = "step (three forwards)" if training else "pass"
+    return flops / rate, (f"{flops / 1e9:.3g} GFLOP of matrix products per {what} at the probe's best "
+                          f"{rate / 1e9:.3g} GFLOP/s on {resolve_device(device)}")
+
+
+@functools.cache
+def _matmul_rate(device: str, dtype: torch.dtype) -> float:
+    """The best floating-point operations per second square matrix products reach on `device` (see the
+    module's notes)."""
+    dev = torch.device(device)
+    best = 0.0
+    for n in (1024, 1536, 2048):
+        a = torch.randn(n, n, device=dev).to(dtype)
+        b = torch.randn(n, n, device=dev).to(dtype)
+        for _ in range(3):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            best = max(best, 2 * n**3 / max(time.perf_counter() - t0, 1e-9))
+    return best
 
 
 def _activations(model: nn.Module, batch: Any, *, training: bool, min_bytes: int = 0) -> tuple[int | None, str]:
