@@ -149,6 +149,8 @@ VARIANTS = (
     Variant("tiermem_default_traced", "(e/t) (e) + trace.path", "tiermem", default=False),
     # (c'') with PyTorch's own CPU allocator in place of tiermem's (memory.cpu_allocator: torch)
     Variant("tiermem_act_torchalloc", "(c''/pt) (c'') + memory.cpu_allocator torch", "tiermem"),
+    # (e) with PyTorch's own CPU allocator: what the default allocator (auto: tiermem's) does in the defaults
+    Variant("tiermem_default_torchalloc", "(e/pt) (e) + memory.cpu_allocator torch", "tiermem", default=False),
     Variant("deepspeed", "(d) DeepSpeed ZeRO-3 NVMe", "deepspeed"),
 )
 BY_KEY = {v.key: v for v in VARIANTS}
@@ -789,6 +791,7 @@ def main(argv: list[str]) -> int:
     tiers["tiermem_act"] = {**tiers["tiermem_lazy"], "activations.tier": "nvme",
                             "activations.buffer": args.activations_buffer}
     tiers["tiermem_act_torchalloc"] = {**tiers["tiermem_act"], "memory.cpu_allocator": "torch"}
+    tiers["tiermem_default_torchalloc"] = {**tiers["tiermem_default"], "memory.cpu_allocator": "torch"}
     variants = args.variant_list
     runs: list[dict[str, Any]] = []
     update_runs: list[dict[str, Any]] = []  # one process of the update benchmark per round

@@ -97,6 +97,7 @@ class Runtime:
         self._charged: dict[int, int] = {}  # unit -> gathered bytes counted on the device's ledger
         self._expanded: dict[int, torch.Tensor] = {}  # unit -> the buffer its compressed weights expand into
         self._spare: dict[int, torch.Tensor] = {}  # size -> an expansion buffer kept for the next unit of it
+        self._freed: list[int] = []  # bytes of expansion buffers that died since the ledger last heard of it
         self.tracer: Tracer | None = None  # see [Note: traces] in tiermem/trace.py
         self._bound_at: dict[int, float] = {}  # unit -> when it became usable (trace time)
         swapper.evict_by_next_use(self._next_use)
@@ -449,6 +450,7 @@ class Runtime:
         same size left when nothing else held it: a fresh one costs a page fault per 4 KiB on the CPU (25 ms
         more per 50 MB unit, measured), more than the expansion itself."""
         size = unit.whole.size
+        self._note_freed()
         try:
             buf = self._spare.pop(size, None)
             if buf is None:
@@ -469,16 +471,25 @@ class Runtime:
         is alive any more (none is, unless the caller kept a parameter's tensor or autograd a graph), else let
         it go with its last reference."""
         buf = self._expanded.pop(unit.index, None)
-        # 2: `buf` and the storage object asked for here; every view alive adds one
-        if (buf is not None and buf.size(0) not in self._spare
-                and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2):
-            self._spare[buf.size(0)] = buf
-            self._charged.pop(unit.index, None)  # the ledger keeps counting it, as the spare
-        else:
+        if buf is None:
             self._uncharge(unit)
+            return
+        n = self._charged.pop(unit.index, 0)  # the ledger keeps counting it: as the spare, or until it dies
+        # 2: `buf` and the storage object asked for here; every view alive adds one
+        if buf.size(0) not in self._spare and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2:
+            self._spare[buf.size(0)] = buf
+        else:  # a view keeps it (and, through the view's _base, `buf`): counted until the last one goes
+            weakref.finalize(buf, self._freed.append, n)  # drained on this thread: see _note_freed
+
+    def _note_freed(self) -> None:
+        """Take the expansion buffers that died off the ledger (a finalizer may run inside the ledger's lock,
+        at any allocation, so it only notes them)."""
+        while self._freed:
+            self.swapper.ledger.sub("device", self._freed.pop())
 
     def drop_spare(self) -> None:
         """Give back the expansion buffers kept for reuse (when the context ends)."""
+        self._note_freed()
         for size in list(self._spare):
             del self._spare[size]
             self.swapper.ledger.sub("device", size)
