@@ -76,14 +76,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     modes = ["write", "read"] if args.mode == "both" else [args.mode]
     stripe = _size("--stripe-size", args.stripe_size) if args.stripe_size else None
     paths = args.path or [DEFAULT_PATH]
-    for path in paths:
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as exc:
-            raise BenchArgError(f"--path {path}: cannot create the directory ({exc.strerror}); "
-                                "choose a writable directory") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise BenchArgError(f"--path {path}: not writable by this user; choose a writable directory")
+    make_writable_dirs(paths)
     return BenchSpec(paths=paths, size=size, block_sizes=block_sizes, queue_depths=depths,
                      engines=engines, modes=modes, runs=args.runs, direct=args.direct, stripe_size=stripe)
 
@@ -161,3 +154,15 @@ def _size(option: str, value: str) -> int:
         return parse_size(value, what=option)
     except ValueError as exc:
         raise BenchArgError(str(exc)) from None
+
+
+def make_writable_dirs(paths: list[str]) -> None:
+    """Create each --path directory; one that cannot be created or written is a BenchArgError naming it."""
+    for path in paths:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise BenchArgError(f"--path {path}: cannot create the directory ({exc.strerror}); "
+                                "choose a writable directory") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise BenchArgError(f"--path {path}: not writable by this user; choose a writable directory")

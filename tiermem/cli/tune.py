@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
 from typing import Any
 
+from tiermem.cli.bench import make_writable_dirs
 from tiermem.cli.config_cmd import _parse_set
 from tiermem.cli.progress import ProgressBar
 from tiermem.errors import BenchArgError, ConfigError
@@ -91,14 +91,7 @@ def run(args: argparse.Namespace) -> int:
     size = _sizes("--size", args.size)[0]
     block_sizes = _sizes("--block-size", args.block_size) if args.block_size else tune.BLOCK_SIZES
     depths = _depths(args.queue_depth) if args.queue_depth else tune.QUEUE_DEPTHS
-    for path in args.path:
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as exc:
-            raise BenchArgError(f"--path {path}: cannot create the directory ({exc.strerror}); choose a writable "
-                                "directory") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise BenchArgError(f"--path {path}: not writable by this user; choose a writable directory")
+    make_writable_dirs(args.path)
     base = dict(args.set or [])
     load_config(args.config, **base)  # a bad starting config fails before minutes of measuring
     model = None
