@@ -34,7 +34,7 @@ import itertools
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -50,9 +50,22 @@ except ImportError as exc:  # transformers is an extra; older ones have no cache
                        "transformers, or set kv.tier: memory") from exc
 
 if TYPE_CHECKING:
-    from tiermem.runtime.runtime import Runtime
+    from tiermem.runtime.unit import Unit
+    from tiermem.swap import TensorSwapper
 
 log = logging.getLogger(__name__)
+
+
+class RuntimeFace(Protocol):
+    """What the KV store needs of the runtime that owns it (tiermem/runtime/runtime.py imports this module,
+    not the other way round): its units, its swapper, and to have a block evicted by a unit's next use."""
+
+    units: list[Unit]
+    swapper: TensorSwapper
+
+    def follow(self, part: object, unit: int) -> None: ...
+
+    def unfollow(self, part: object) -> None: ...
 
 TAIL_SHARE = 8  # partial blocks kept in host memory take at most 1/TAIL_SHARE of the host budget
 
@@ -251,7 +264,7 @@ class TieredLayer(CacheLayerMixin):
 class KVStore:
     """The blocks of every tiered cache of one `tiered_offload` context: placement, prefetch, stats, exit."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: RuntimeFace) -> None:
         self.runtime = runtime
         self.swapper = runtime.swapper
         cfg = self.swapper.config.kv
