@@ -343,6 +343,36 @@ def check_training(sz: Sizes, device: torch.device, work: str, args: argparse.Na
 
 
 # -- report -------------------------------------------------------------------------------------------
+def check_compressed(sz: Sizes, device: torch.device, work: str, args: argparse.Namespace) -> dict[str, Any]:
+    """params.storage int8 / int4 on the device: the expansion (cupy's fused kernel for int8 when cupy is
+    installed, PyTorch's operations otherwise) against the same expansion on the CPU, and its time."""
+    from tiermem.quant import Quantization, _cupy
+
+    out: dict[str, Any] = {"cupy": _cupy() is not None and device.type == "cuda"}
+    w = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(3)) * 0.02
+    for bits in (8, 4):
+        q = Quantization(bits, 128)
+        specs = dict(q.specs("w", w.to("meta")))
+        values = torch.empty(specs["w#q"].shape, dtype=specs["w#q"].dtype)
+        scales = torch.empty(specs["w#scale"].shape)
+        q.quantize_into(w, values, scales)
+        ref = torch.empty_like(w)
+        q.dequantize_into(values, scales, ref)
+        dv, ds = values.to(device), scales.to(device)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = torch.empty(w.shape, dtype=dtype, device=device)
+            q.dequantize_into(dv, ds, got)
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(10):
+                q.dequantize_into(dv, ds, got)
+            synchronize(device)
+            diff = (got.float().cpu() - ref).abs().max().item()
+            out[f"int{bits}_{str(dtype).split('.')[-1]}"] = {"max_abs_diff_vs_cpu": diff,
+                                                             "ms": (time.perf_counter() - t0) / 10 * 1e3}
+    return out
+
+
 def judge(report: dict[str, Any]) -> list[tuple[str, bool]]:
     """Each check by name, and whether it held."""
     checks: list[tuple[str, bool]] = []
@@ -359,6 +389,13 @@ def judge(report: dict[str, Any]) -> list[tuple[str, bool]]:
             if report.get("device") == "copy":  # there nothing but tiermem's units is device memory
                 checks.append((f"inference ({tag}): device memory alive <= the ledger's peak",
                                r["cuda_max_allocated_bytes"] <= r["peak_bytes"]["device"]))
+    comp = report.get("compressed")
+    if comp:
+        for key, r in comp.items():
+            if isinstance(r, dict):  # fp32 equal to the CPU's expansion; bfloat16 within its own rounding
+                bound = 0.0 if key.endswith("float32") else 2e-3
+                checks.append((f"compressed {key}: expansion within {bound} of the CPU's",
+                               r["max_abs_diff_vs_cpu"] <= bound))
     tr = report.get("training")
     if tr:
         for dtype, d in tr["dtypes"].items():
@@ -461,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-units", type=int, default=4,
                    help="memory.device_budget in units of the largest block or embedding (default 4)")
     p.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    p.add_argument("--only", choices=["infer", "train"], default=None, help="run one section")
+    p.add_argument("--only", choices=["infer", "compressed", "train"], default=None, help="run one section")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -490,6 +527,7 @@ def _run(args: argparse.Namespace, device: torch.device, label: str) -> int:
     os.makedirs(work, exist_ok=True)
     report: dict[str, Any] = {**header(device, work), "device": label, "small": args.small, "errors": {}}
     sections: list[tuple[str, Callable[..., dict[str, Any]]]] = [("inference", check_inference),
+                                                                 ("compressed", check_compressed),
                                                                  ("training", check_training)]
     t0 = time.perf_counter()
     for name, fn in sections:

@@ -143,7 +143,7 @@ def _cupy_dequantize(values: torch.Tensor, scales: torch.Tensor, flat: torch.Ten
     target = flat if flat.dtype in _CUPY_TYPES else torch.empty(flat.numel(), dtype=torch.float32,
                                                                 device=flat.device)
     with cupy.cuda.ExternalStream(torch.cuda.current_stream(flat.device).cuda_stream):
-        _kernel(_CUPY_TYPES[target.dtype])(cupy.asarray(values), cupy.asarray(scales), group, cupy.asarray(target),
-                                           size=flat.numel())
+        # the output is a plain (not raw) argument, so it sets the kernel's size: one thread per value
+        _kernel(_CUPY_TYPES[target.dtype])(cupy.asarray(values), cupy.asarray(scales), group, cupy.asarray(target))
     if target is not flat:
         flat.copy_(target)
