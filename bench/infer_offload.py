@@ -222,6 +222,14 @@ def ensure_model(layers: int, width: int, heads: int) -> tuple[str, dict[str, An
 
 
 # -- the variants (run inside the worker subprocess) -------------------------------------------------
+def tiermem_overrides(spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The config every tiermem variant runs with: params on NVMe in --swap-dir under --host-budget, io_uring,
+    --prefetch-depth; `extra` adds to it (the generation mode's kv.tier)."""
+    return {"device": "cpu", "params.tier": "nvme", "nvme.paths": [spec["swap_dir"]],
+            "memory.host_budget": spec["host_budget"], "prefetch.depth": spec["prefetch_depth"],
+            "io.engine": "io_uring", **extra}
+
+
 def meta_model(model_dir: str) -> Any:
     """The model with every parameter on the meta device and real buffers, as for a model larger than RAM."""
     from accelerate import init_empty_weights
@@ -325,9 +333,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
             import tiermem
 
             model = meta_model(model_dir)
-            overrides = {"device": "cpu", "params.tier": "nvme", "nvme.paths": [spec["swap_dir"]],
-                         "memory.host_budget": spec["host_budget"], "prefetch.depth": spec["prefetch_depth"],
-                         "io.engine": "io_uring"}
+            overrides = tiermem_overrides(spec)
             out["tiermem_overrides"] = overrides
             tm = stack.enter_context(tiermem.tiered_offload(model, checkpoint=ckpt, restore=False,
                                                             prefetch=v.prefetch, **overrides))
@@ -440,9 +446,7 @@ def generate_worker(spec: dict[str, Any]) -> dict[str, Any]:
             import tiermem
 
             model = meta_model(model_dir)
-            overrides = {"device": "cpu", "params.tier": "nvme", "nvme.paths": [spec["swap_dir"]],
-                         "memory.host_budget": spec["host_budget"], "prefetch.depth": spec["prefetch_depth"],
-                         "io.engine": "io_uring", "kv.tier": spec["kv_tier"]}
+            overrides = tiermem_overrides(spec, **{"kv.tier": spec["kv_tier"]})
             out["tiermem_overrides"] = overrides
             tm = stack.enter_context(tiermem.tiered_offload(model, checkpoint=os.path.join(model_dir,
                                                                                            "model.safetensors"),
