@@ -347,6 +347,11 @@ BAD_CONFIGS: list[tuple[str, dict[Any, Any], str]] = [
         "nvme.stripe_size: expected a multiple of 4096 bytes for direct I/O, got '1000' (1000 bytes); use 4KiB",
     ),
     ("size-zero", {"nvme": {"stripe_size": 0}}, "nvme.stripe_size: expected a size of at least 1 bytes, got 0"),
+    ("weights-count", {"nvme": {"paths": ["/var/tmp/a", "/var/tmp/b"], "path_weights": [1, 2, 3]}},
+     "nvme.path_weights: 3 weights for 2 nvme.paths entries; give one per directory"),
+    ("weights-zero", {"nvme": {"paths": ["/var/tmp/a", "/var/tmp/b"], "path_weights": [1, 0]}},
+     "nvme.path_weights[1]: expected an integer from 1 to 64, got 0"),
+    ("weights-word", {"nvme": {"path_weights": "fast"}}, 'nvme.path_weights: expected "auto" or a list'),
     (
         "block-unaligned",
         {"io": {"block_size": "6KiB"}},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -143,6 +144,41 @@ def test_swap_per_path_is_what_the_store_preallocates_striped(tmp_path) -> None:
     assert [s.needed for s in p.swap] == sizes
     assert len(set(sizes)) > 1 or sizes[0] > 0
     assert all(s.free is not None and s.free > 0 for s in p.swap)
+
+
+def test_auto_weights_stripe_by_the_cached_read_figures(tmp_path, monkeypatch) -> None:
+    """With `tiermem bench io` figures cached for two filesystems (one three times as fast), entry stripes
+    1:3, says why in the plan line, the plan's swap bytes are what the store preallocates, and a forward
+    gives the same output as in memory; without a figure for one of them, the chunks are dealt equally."""
+    from tiermem.io.bandwidth import save_bench_results
+
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    fast = os.path.join(shm, f"tiermem-test-{os.getpid()}")
+    paths = [str(tmp_path / "slow"), fast]
+    extra = cfg(tmp_path, **{"nvme.paths": paths, "nvme.stripe_size": "64KiB"})
+    model = mlp()
+    x = torch.randn(4, 256)
+    want = model(x)
+    try:
+        assert plan(model, **extra).entry["nvme_weights"]["weights"] == [1, 1]
+        for path, gbps in zip(paths, (1.5, 4.5), strict=True):
+            save_bench_results([path], [{"mode": "read", "gbps_mean": gbps, "engine": "io_uring",
+                                         "block_size": 1 << 20, "queue_depth": 32, "direct": True}])
+        p = plan(model, **extra)
+        with tiered_offload(model, **extra) as tm:
+            assert torch.equal(model(x), want)
+            sizes = [os.fstat(f.buffered_fd).st_size for f in tm.swapper.store.files]
+            assert tm.swapper.store.layout.weights == (1, 3)
+            assert "striped 1:3, by read GB/s 1.50:4.50" in tm.plan_summary()
+        assert p.entry == tm.plan
+        assert [s.needed for s in p.swap] == sizes and 2.5 < sizes[1] / sizes[0] < 3.5
+        fixed = plan(model, **{**extra, "nvme.path_weights": [2, 1]})
+        assert fixed.entry["nvme_weights"] == {"weights": [2, 1], "why": "nvme.path_weights"}
+    finally:
+        shutil.rmtree(fast, ignore_errors=True)
 
 
 def test_activations_are_estimated_from_a_meta_forward(tmp_path) -> None:

@@ -95,6 +95,48 @@ def test_striping_puts_alternate_chunks_on_each_directory(engine: IOEngine, tmp_
         assert np.array_equal(part, data[stripe // 2:stripe // 2 + len(part)])
 
 
+def test_weighted_striping_gives_each_directory_its_share_spread_through_the_period(engine: IOEngine,
+                                                                                    tmp_path) -> None:
+    """Weights 1:3 put 3 of every 4 chunks on the second directory, not bunched: the period is b a b b,
+    each file holds its chunks in order, the data reads back whole and in any range, and the files are
+    preallocated to exactly their share."""
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    stripe = 64 << 10
+    with SwapStore(dirs, engine, stripe_size=stripe, weights=[1, 3]) as store:
+        assert store.layout.slots == [(1, 0), (0, 0), (1, 1), (1, 2)]
+        data = _random(9 * stripe + 1000, 4)  # 10 chunks: a period of 4 twice, and 2 more (b, a)
+        ext = store.allocate(len(data))
+        assert [f.size() for f in store.files] == [3 * stripe, 7 * stripe]
+        store.write(ext, data).wait()
+        raw = [np.fromfile(os.path.join(d, SWAP_FILE), dtype=np.uint8) for d in store.run_dirs]
+        where = [(1, 0), (0, 0), (1, 1), (1, 2), (1, 3), (0, 1), (1, 4), (1, 5), (1, 6), (0, 2)]
+        for k, (d, at) in enumerate(where):
+            chunk = data[k * stripe:(k + 1) * stripe]
+            assert np.array_equal(raw[d][at * stripe:at * stripe + len(chunk)], chunk), f"stripe chunk {k}"
+        out = np.zeros_like(data)
+        store.read(ext, out).wait()
+        assert np.array_equal(out, data)
+        part = np.zeros(5 * stripe + 4096, dtype=np.uint8)
+        store.read(ext, part, len(part), offset=3 * stripe - 4096).wait()
+        assert np.array_equal(part, data[3 * stripe - 4096:3 * stripe - 4096 + len(part)])
+        # b's slots 2 and 3 of a period follow each other in its file and in the buffer: one piece
+        pieces = store.pieces(ext, 4 * stripe)
+        assert [(p.file is store.files[1], p.length // stripe) for p in pieces] == [(True, 1), (False, 1), (True, 2)]
+
+
+def test_a_reopened_run_must_keep_its_striping(engine: IOEngine, tmp_path) -> None:
+    """Kept swap files written with one layout are refused under another, naming both and the keys."""
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with SwapStore(dirs, engine, stripe_size=64 << 10, weights=[1, 2], keep_files=True, run_name="kept"):
+        pass
+    with pytest.raises(StoreError, match=r"weights \[1, 2\].*nvme.path_weights"):
+        SwapStore(dirs, engine, stripe_size=64 << 10, run_name="kept")
+    with SwapStore(dirs, engine, stripe_size=64 << 10, weights=[1, 2], run_name="kept") as again:
+        assert again.layout.weights == (1, 2)
+    with pytest.raises(StoreError, match="nvme.path_weights: 1 weights for 2 directories"):
+        SwapStore(dirs, engine, weights=[1])
+
+
 def test_a_striped_read_or_write_is_one_engine_request(engine: IOEngine, tmp_path, monkeypatch) -> None:
     """A range striped over three directories goes to the engine as one request of many pieces (one future),
     each piece in its directory's file."""
@@ -428,3 +470,17 @@ def test_failed_preallocation_gives_back_what_it_got(engine: IOEngine, small_fs_
         assert [os.path.getsize(p) for p in swaps] == sizes
         monkeypatch.undo()
         store.allocate(4 << 20)  # the store is still usable
+
+
+def test_weights_for_drives_of_different_speeds_finish_a_transfer_together() -> None:
+    """The weights `auto` derives from bandwidths: equal drives equal, and for unequal ones a transfer's time
+    (the slowest drive's share over its speed) within 4% of the ideal split, with at most 12 chunks a period."""
+    from tiermem.io.bandwidth import MAX_PERIOD, weights_for
+
+    assert weights_for([2.0, 2.0]) == (1, 1) and weights_for([1.0, 1.0, 1.0]) == (1, 1, 1)
+    assert weights_for([1.0, 3.0]) == (1, 3)
+    for gbps in ([2.35, 7.62], [1.0, 2.0, 5.0], [3.2, 1.1]):
+        w = weights_for(gbps)
+        seconds = max(wi / sum(w) / g for wi, g in zip(w, gbps, strict=True))
+        assert sum(w) <= MAX_PERIOD and seconds <= 1.04 / sum(gbps), (gbps, w)
+    assert weights_for([1.0, 100.0]) == (1, 12)  # the period is capped; the slow drive still gets a chunk

@@ -190,6 +190,21 @@ def _str_list(key: str, value: object, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _path_weights(value: object, n: int) -> str | tuple[int, ...]:
+    """nvme.path_weights: "auto", or one integer from 1 to 64 per directory."""
+    key = "nvme.path_weights"
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected \"auto\" or a list of one integer per nvme.paths entry, got "
+                          f"{_describe(value)}")
+    weights = tuple(_int(f"{key}[{i}]", w, 1, 64) for i, w in enumerate(value))
+    if len(weights) != n:
+        raise ConfigError(f"{key}: {len(weights)} weights for {n} nvme.paths entries; give one per directory, "
+                          "in the same order, or \"auto\"")
+    return weights
+
+
 def _check_writable_dir(key: str, path: str) -> None:
     """Fail unless `path` is a writable directory or could be created as one."""
     if os.path.lexists(path) and not os.path.exists(path):
@@ -357,10 +372,17 @@ class NvmeConfig:
 
     paths: tuple[str, ...] = ("/var/tmp/tiermem",)
     """Directories for swap files, stored absolute with ~ and $VARS expanded. With several,
-    data is striped across them round-robin, one stripe_size chunk per directory."""
+    data is striped across them in stripe_size chunks, dealt by path_weights."""
 
     stripe_size: int = field(default=1024**2, metadata=_BYTES)
     """Bytes written to one directory before moving to the next; a multiple of 4 KiB."""
+
+    path_weights: str | tuple[int, ...] = "auto"
+    """Share of the stripe chunks each directory gets, one positive integer per nvme.paths entry: [1, 3]
+    puts three chunks on the second for every one on the first, so a drive three times as fast carries
+    three times the bytes of every transfer and both finish together (bandwidths add up). "auto" weighs
+    the directories by the read GB/s `tiermem bench io --path DIR` cached for each one's filesystem, when
+    every directory has such a figure and no two share a filesystem; otherwise it deals chunks equally."""
 
     checksum: bool = False
     """One CRC-32 per partition, taken over its bytes (up to the end of its last tensor) each time it is
@@ -380,6 +402,7 @@ class NvmeConfig:
                 )
         self.paths = paths
         self.stripe_size = _size("nvme.stripe_size", self.stripe_size, minimum=1, align=IO_ALIGN)
+        self.path_weights = _path_weights(self.path_weights, len(paths))
         self.checksum = _bool("nvme.checksum", self.checksum)
         self.keep_files = _bool("nvme.keep_files", self.keep_files)
 

@@ -29,6 +29,7 @@ from tiermem.cpu_allocator import cpu_allocator, trim
 from tiermem.distributed import Ranks, chunk_specs
 from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadError, RestoreError, StoreError
 from tiermem.interrupts import deferred_interrupts
+from tiermem.io.bandwidth import path_weights
 from tiermem.io.engine import IOEngine
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
 from tiermem.quant import Quantization
@@ -60,6 +61,7 @@ class OffloadHandle:
         self.saved: tuple[str, int] | None = None  # (path, optimizer progress) of the last checkpoint written
         self.plan: dict[str, Any] = {}  # what goes where and why, as entry chose it (logged at entry)
         self.activations_why = "activations.tier"  # why saved activations rest where they do (auto's reason)
+        self.weights_why = "nvme.path_weights"  # why several nvme.paths are striped as they are (auto's reason)
         self._tracer: Tracer | None = None  # recording a trace (trace.path or tm.trace())
 
     def plan_summary(self) -> str:
@@ -301,6 +303,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     config = _rank_paths(load_config(config, **overrides), ranks)
     # before the swapper: with nvme, the activations' buffer is carved out of the host pool it makes
     config, activations_why = _choose_activations_tier(config, model, optimizer, ranks)
+    config, weights_why = choose_path_weights(config)
     _check_storage(config, optimizer, restore, ranks)
     swapper = TensorSwapper(config, engine=engine)
     swapper.defer_registration = True  # until the parameters are in their partitions (_place_model registers the pool)
@@ -308,6 +311,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         try:
             settings = dataclasses.asdict(swapper.config)
             settings["nvme"].pop("paths", None)  # each rank may have drives of its own
+            settings["nvme"].pop("path_weights", None)  # and weigh them by their own speeds
             settings["trace"].pop("path", None)  # and a trace of its own
             settings.pop("origin", None)  # where the config came from, which names the paths too
             ranks.check_same("the config", repr(settings))
@@ -324,7 +328,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
         runtime = _place_model(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed, ranks)
         handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
-        handle.activations_why = activations_why
+        handle.activations_why, handle.weights_why = activations_why, weights_why
         for mod in model.modules():  # every submodule too: none of them may enter another context
             setattr(mod, _ATTR, handle)
         if optimizer is not None:
@@ -443,6 +447,14 @@ def _apply_recorded_updates(handle: OffloadHandle) -> Exception | None:
 # memory calls for it. An explicit `memory` or `nvme` is kept as set.
 
 
+def choose_path_weights(cfg: Config) -> tuple[Config, str]:
+    """Settle `nvme.path_weights: auto` into weights ([Note: path weights]); the config and the reason."""
+    if cfg.nvme.path_weights != "auto":
+        return cfg, "nvme.path_weights"
+    weights, why = path_weights(cfg.nvme.paths, "auto")
+    return load_config(cfg, **{"nvme.path_weights": list(weights)}), why
+
+
 def _host_memory_available() -> int | None:
     """Bytes of host memory this process could still take now: MemAvailable of /proc/meminfo, or less where
     its cgroup (v2) caps it (memory.max less memory.current); None where neither can be read."""
@@ -544,6 +556,8 @@ def _plan(handle: OffloadHandle) -> dict[str, Any]:
         plan["host_kept_bytes"], plan["host_step_bytes"] = opt.host_permanent, opt.host_working
     if cfg.uses_nvme:
         plan["nvme_paths"] = list(cfg.nvme.paths)
+        if len(cfg.nvme.paths) > 1:
+            plan["nvme_weights"] = {"weights": list(cfg.nvme.path_weights), "why": handle.weights_why}
     return plan
 
 
@@ -569,7 +583,11 @@ def _plan_text(plan: dict[str, Any]) -> str:
                  "for a unit's step")
     parts.append(pool)
     if "nvme_paths" in plan:
-        parts.append(f"swap in {', '.join(plan['nvme_paths'])}")
+        swap = f"swap in {', '.join(plan['nvme_paths'])}"
+        if "nvme_weights" in plan:
+            w = plan["nvme_weights"]
+            swap += f" (striped {':'.join(map(str, w['weights']))}, {w['why']})"
+        parts.append(swap)
     return "; ".join(parts)
 
 

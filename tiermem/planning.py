@@ -67,7 +67,7 @@ from tiermem.config import Config, _human_size, load_config
 from tiermem.device import resolve_device
 from tiermem.distributed import Ranks
 from tiermem.errors import BudgetError, OffloadError, OptimizerError
-from tiermem.io.bandwidth import GB, cached_bandwidth
+from tiermem.io.bandwidth import GB, cached_bandwidth, path_weights
 from tiermem.io.buffers import align_up
 from tiermem.offload import (
     _check_fits,
@@ -77,11 +77,13 @@ from tiermem.offload import (
     _quantization,
     _rank_paths,
     _unit_specs,
+    choose_path_weights,
 )
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.wrap import WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size, parse_size
+from tiermem.store import StripeLayout
 from tiermem.swap import Layout
 from tiermem.swap.transfers import make_mover
 
@@ -303,6 +305,7 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
                            "its index")
     opt = _optimizer(model, optimizer)
     cfg, activations_why = _choose_activations_tier(cfg, model, opt, Ranks())  # auto settled as entry does
+    cfg, weights_why = choose_path_weights(cfg)
     tie = getattr(model, "tie_weights", None)
     if checkpoint is not None and callable(tie):
         tie()  # as entry does for a model built empty
@@ -339,7 +342,8 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
                                f"{budget_text}"))
     train = _training(opt, units, swapper, override, fixes) if opt is not None else None
     handle = _Stub(config=cfg, units=units, device=resolve_device(cfg.device), swapper=swapper,
-                   optimizer=train.stub if train is not None else None, activations_why=activations_why)
+                   optimizer=train.stub if train is not None else None, activations_why=activations_why,
+                   weights_why=weights_why)
     entry = _plan(cast(Any, handle))
 
     sizes = {i: lay.size for i, lay in enumerate(layouts)}
@@ -739,15 +743,14 @@ def _existing(path: str) -> str:
 
 def _swap_paths(cfg: Config, logical: int) -> list[SwapPath]:
     """Each directory's share of the striped swap space, as SwapStore._grow preallocates it."""
-    paths, stripe = cfg.nvme.paths, cfg.nvme.stripe_size
-    chunks = -(-logical // stripe)
+    weights, _ = path_weights(cfg.nvme.paths, cfg.nvme.path_weights)
     out = []
-    for d, path in enumerate(paths):
-        mine = chunks // len(paths) + (1 if d < chunks % len(paths) else 0)
+    for path, needed in zip(cfg.nvme.paths, StripeLayout(cfg.nvme.stripe_size, weights).bytes_per_dir(logical),
+                            strict=True):
         where = _existing(path)
         st = os.statvfs(where)
         dev = os.stat(where).st_dev
-        out.append(SwapPath(path, mine * stripe, st.f_bavail * st.f_frsize if st.f_blocks else None,
+        out.append(SwapPath(path, needed, st.f_bavail * st.f_frsize if st.f_blocks else None,
                             f"{os.major(dev)}:{os.minor(dev)}"))
     return out
 

@@ -11,7 +11,7 @@ from typing import Any
 from tiermem.cli.progress import ProgressBar
 from tiermem.errors import BenchArgError
 from tiermem.io.backends import BACKENDS, available_backends
-from tiermem.io.bandwidth import BenchSpec, run_benchmark, save_bench_results, system_info
+from tiermem.io.bandwidth import BenchSpec, path_weights, run_benchmark, save_bench_results, system_info
 from tiermem.io.buffers import check_io_size
 from tiermem.sizes import format_size, parse_size, short_repr
 
@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"block sizes {','.join(SWEEP_BLOCK_SIZES)} x queue depths "
                    f"{','.join(map(str, SWEEP_QUEUE_DEPTHS))}")
     p.add_argument("--stripe-size", default=None, help="stripe chunk across several --path (default: block size)")
+    p.add_argument("--weights", default="1", metavar="W1,W2,...|auto",
+                   help="stripe chunks per directory across several --path, as nvme.path_weights (e.g. 1,3); "
+                   "auto weighs them by their cached read GB/s (default: equal)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="save a bar chart of GB/s")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -78,7 +81,24 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     paths = args.path or [DEFAULT_PATH]
     make_writable_dirs(paths)
     return BenchSpec(paths=paths, size=size, block_sizes=block_sizes, queue_depths=depths,
-                     engines=engines, modes=modes, runs=args.runs, direct=args.direct, stripe_size=stripe)
+                     engines=engines, modes=modes, runs=args.runs, direct=args.direct, stripe_size=stripe,
+                     weights=_weights(args.weights, paths))
+
+
+def _weights(text: str, paths: list[str]) -> tuple[int, ...]:
+    """--weights: "auto" (as nvme.path_weights: auto), one integer for all, or one per --path."""
+    if text == "auto":
+        return path_weights(paths, "auto")[0]
+    try:
+        weights = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise BenchArgError(f"--weights: expected integers such as 1,3 or auto, got {short_repr(text)}") from None
+    if len(weights) == 1:
+        weights *= len(paths)
+    if len(weights) != len(paths) or any(w < 1 or w > 64 for w in weights):
+        raise BenchArgError(f"--weights: expected one integer from 1 to 64 per --path ({len(paths)}), got "
+                            f"{short_repr(text)}")
+    return tuple(weights)
 
 
 def run_io(args: argparse.Namespace) -> int:

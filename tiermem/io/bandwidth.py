@@ -53,6 +53,7 @@ class BenchSpec:
     runs: int = 3
     direct: bool = True
     stripe_size: int | None = None  # default: the block size, so each request maps to one drive
+    weights: tuple[int, ...] | None = None  # stripe chunks per path in a period ([Note: striping]); None: equal
     sqpoll: bool = False  # io_uring engines poll their submission queue from a kernel thread (io.sqpoll)
 
 
@@ -92,7 +93,8 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
     for engine_name, bs, qd in combos:
         with create_engine(engine_name, block_size=bs, queue_depth=qd,
                            sqpoll=spec.sqpoll and engine_name == "io_uring") as engine, \
-                SwapStore(spec.paths, engine, stripe_size=spec.stripe_size or bs, direct=spec.direct) as store, \
+                SwapStore(spec.paths, engine, stripe_size=spec.stripe_size or bs, weights=spec.weights,
+                          direct=spec.direct) as store, \
                 HostBufferPool(bs * qd, prefault=True) as pool:
             engine.register_buffers(pool.regions)
             per = transfer_size(bs, qd)
@@ -128,6 +130,7 @@ def run_benchmark(spec: BenchSpec, progress: Progress | None = None) -> list[dic
                     "block_size": bs,
                     "queue_depth": qd,
                     "sqpoll": spec.sqpoll and engine_name == "io_uring",
+                    "weights": list(store.layout.weights),
                     "transfer_size": per,
                     "bytes": spec.size,
                     "runs": spec.runs,
@@ -371,3 +374,49 @@ def cached_bandwidth(paths: list[str] | tuple[str, ...], cache: str | None = Non
         return None
     entry = _read_cache(cache or bench_cache_path()).get(key)
     return entry if isinstance(entry, dict) else None
+
+
+# [Note: path weights]
+# Several nvme.paths are striped in proportion to integer weights ([Note: striping]). For "auto" they come
+# from the read GB/s cached per filesystem: the weights are the integers of sum at most MAX_PERIOD that make
+# a transfer take least time when each drive reads its share at its own speed (ties: the shorter period,
+# so that small transfers still touch every drive). Without a figure for every path, or with two paths on
+# one filesystem (one drive's bandwidth, shared), the chunks are dealt equally.
+
+MAX_PERIOD = 12
+
+
+def weights_for(gbps: list[float]) -> tuple[int, ...]:
+    """Integer stripe weights for drives of these bandwidths (see [Note: path weights])."""
+    total = sum(gbps)
+    best: tuple[float, int, tuple[int, ...]] | None = None
+    for period in range(len(gbps), MAX_PERIOD + 1):
+        w = tuple(max(1, round(period * g / total)) for g in gbps)
+        seconds = max(wi / sum(w) / g for wi, g in zip(w, gbps, strict=True))  # per byte of the transfer
+        cand = (round(seconds * total, 6), sum(w), w)  # time relative to the ideal, to six places
+        if best is None or cand[:2] < best[:2]:
+            best = cand
+    assert best is not None
+    return best[2]
+
+
+def path_weights(paths: list[str] | tuple[str, ...], setting: str | tuple[int, ...],
+                 cache: str | None = None) -> tuple[tuple[int, ...], str]:
+    """The stripe weights for `paths` under `nvme.path_weights` = `setting`, and why (for the plan line)."""
+    if not isinstance(setting, str):
+        return tuple(setting), "nvme.path_weights"
+    if len(paths) == 1:
+        return (1,), "one directory"
+    try:
+        keys = [filesystem_key([p]) for p in paths]
+    except OSError:
+        keys = []
+    if len(set(keys)) < len(paths):
+        return (1,) * len(paths), "equal: two directories share a filesystem" if keys else "equal"
+    gbps: list[float] = []
+    for p in paths:
+        figure = (cached_bandwidth([p], cache) or {}).get("read_gbps")
+        if not isinstance(figure, (int, float)) or figure <= 0:
+            return (1,) * len(paths), f"equal: no `tiermem bench io` read figure for {p}"
+        gbps.append(float(figure))
+    return weights_for(gbps), "by read GB/s " + ":".join(f"{g:.2f}" for g in gbps)

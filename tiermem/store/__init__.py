@@ -1,5 +1,5 @@
 """Swap files on one or more directories: run directories, extents, striping, cleanup."""
 
-from tiermem.store.store import Extent, SwapStore
+from tiermem.store.store import Extent, StripeLayout, SwapStore
 
-__all__ = ["Extent", "SwapStore"]
+__all__ = ["Extent", "StripeLayout", "SwapStore"]

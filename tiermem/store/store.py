@@ -1,13 +1,18 @@
 """SwapStore: extents in preallocated swap files, striped across directories, in a locked run directory.
 
 # [Note: striping]
-The store offers one logical byte space. It is cut into stripe_size chunks dealt round-robin over the
-directories (RAID0 in software): chunk k lives in directory k % n at file offset (k // n) * stripe_size.
-An extent is a 4 KiB-aligned range of that space. Reading or writing it is one engine request (one
-future) whose pieces are the stripe chunks it touches, each in its directory's file, so n drives are busy
-at once. Pieces merge where they are consecutive both in a file and in the caller's buffer, which happens
-only with one directory: there the whole range is one piece. With n > 1, a directory's next chunk follows
-in its file but lies n chunks further in the buffer, so each chunk is a piece of its own.
+The store offers one logical byte space. It is cut into stripe_size chunks dealt over the directories
+(RAID0 in software), in proportion to each directory's weight, so that a drive twice as fast carries twice
+the chunks of every extent and the drives finish a transfer together: with weights w (equal by default,
+or `nvme.path_weights`), a period of P = sum(w) chunks gives directory d w[d] of its slots, spread through
+the period rather than bunched (slot order sorts (j + 1/2) / w[d] over every d and j < w[d]). Chunk k is
+slot k % P of period k // P; if that slot is directory d's j-th, the chunk lives in d's file at offset
+((k // P) * w[d] + j) * stripe_size. Equal weights give plain round-robin: chunk k in directory k % n at
+(k // n) * stripe_size. An extent is a 4 KiB-aligned range of that space. Reading or writing it is one
+engine request (one future) whose pieces are the stripe chunks it touches, each in its directory's file,
+so every drive is busy at once. Pieces merge where they are consecutive both in a file and in the
+caller's buffer: with one directory the whole range is one piece, and with weights a directory's
+neighbouring slots of one period merge.
 
 # [Note: run directories]
 Each store lives in `<path>/tiermem-<host>-<pid>-<token>/` (mode 0700) on every path, holding `swap.bin`
@@ -71,6 +76,38 @@ class Extent:
     nbytes: int
 
 
+class StripeLayout:
+    """Where each stripe chunk of the logical space lives: see [Note: striping]."""
+
+    def __init__(self, stripe_size: int, weights: list[int] | tuple[int, ...]) -> None:
+        if not weights or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in weights):
+            raise StoreError(f"nvme.path_weights: expected a positive integer per directory, got {list(weights)}")
+        self.stripe_size = stripe_size
+        self.weights = tuple(weights)
+        self.period = sum(weights)
+        order = sorted(((j + 0.5) / w, d, j) for d, w in enumerate(weights) for j in range(w))
+        self.slots = [(d, j) for _, d, j in order]  # slot -> (directory, its index among d's slots)
+
+    def place(self, chunk: int) -> tuple[int, int]:
+        """(directory, chunk index within that directory's file) of logical chunk `chunk`."""
+        q, r = divmod(chunk, self.period)
+        d, j = self.slots[r]
+        return d, q * self.weights[d] + j
+
+    def chunks_per_dir(self, chunks: int) -> list[int]:
+        """How many of the first `chunks` logical chunks each directory holds."""
+        q, r = divmod(chunks, self.period)
+        mine = [q * w for w in self.weights]
+        for d, _ in self.slots[:r]:
+            mine[d] += 1
+        return mine
+
+    def bytes_per_dir(self, logical_end: int) -> list[int]:
+        """Bytes each directory's file needs to hold logical bytes [0, logical_end)."""
+        chunks = -(-logical_end // self.stripe_size)
+        return [c * self.stripe_size for c in self.chunks_per_dir(chunks)]
+
+
 class SwapStore:
     """Swap files on one or more directories, striped; a context manager.
 
@@ -80,6 +117,7 @@ class SwapStore:
             unless it has the sticky bit.
         engine: the I/O engine that moves the bytes.
         stripe_size: bytes per stripe chunk, a multiple of 4096.
+        weights: stripe chunks per period for each directory (default equal): see [Note: striping].
         keep_files: leave the run directory and its files on close (a later run can reopen it by name).
         run_name: reuse or create this run directory name instead of a fresh one.
         direct: open swap files with O_DIRECT (falls back per directory when refused).
@@ -93,12 +131,17 @@ class SwapStore:
     """
 
     def __init__(self, paths: list[str] | tuple[str, ...], engine: IOEngine, *, stripe_size: int = 1 << 20,
-                 keep_files: bool = False, run_name: str | None = None, direct: bool = True) -> None:
+                 weights: list[int] | tuple[int, ...] | None = None, keep_files: bool = False,
+                 run_name: str | None = None, direct: bool = True) -> None:
         if not paths:
             raise StoreError("nvme.paths: no swap directory given; list at least one directory")
         check_io_size("nvme.stripe_size", stripe_size, StoreError)
+        if weights is not None and len(weights) != len(paths):
+            raise StoreError(f"nvme.path_weights: {len(weights)} weights for {len(paths)} directories; give one "
+                             "per nvme.paths entry")
         self.engine = engine
         self.stripe_size = stripe_size
+        self.layout = StripeLayout(stripe_size, weights or [1] * len(paths))
         self.keep_files = keep_files
         self.closed = False
         self._lock = threading.Lock()
@@ -125,7 +168,8 @@ class SwapStore:
             raise
         self.direct = all(f.direct for f in self.files)  # False if any directory refused O_DIRECT
         self._finalizer = weakref.finalize(self, _cleanup_at_exit, self._dir_fds, name, keep_files)
-        log.info("swap store in %s (stripe %s, %s)", ", ".join(self.run_dirs), format_size(stripe_size),
+        log.info("swap store in %s (stripe %s%s, %s)", ", ".join(self.run_dirs), format_size(stripe_size),
+                 f", weights {':'.join(map(str, self.layout.weights))}" if len(paths) > 1 else "",
                  "O_DIRECT" if self.direct else "buffered I/O")
 
     # -- set-up and tear-down -------------------------------------------------------------------
@@ -158,14 +202,22 @@ class SwapStore:
         self._lock_fds.append(lock_fd)
         self._dir_fds.append((base_fd, run_fd))
         self.run_dirs.append(run_dir)
+        layout = {"stripe_size": self.stripe_size, "weights": list(self.layout.weights)}
+        before = _read_owner(run_fd)  # a reopened run's, whose data is laid out as it says
+        if "weights" in before and {k: before.get(k) for k in layout} != layout:
+            raise StoreError(
+                f"{run_dir} holds swap data striped with stripe size {before.get('stripe_size')} and weights "
+                f"{before.get('weights')}, not {self.stripe_size} and {list(self.layout.weights)}; reopen it with "
+                "the nvme.stripe_size and nvme.path_weights it was written with"
+            )
         try:
-            os.unlink(OWNER_FILE, dir_fd=run_fd)  # a reopened run's; made afresh with O_EXCL below
+            os.unlink(OWNER_FILE, dir_fd=run_fd)  # made afresh with O_EXCL below
         except FileNotFoundError:
             pass
         fd = _open_file(run_fd, OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, run_dir)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                       "keep": self.keep_files}, f)
+                       "keep": self.keep_files, **layout}, f)
         swap = IOFile(os.path.join(run_dir, SWAP_FILE), "rw", direct=direct, dir_fd=run_fd)
         self.files.append(swap)
         st = os.fstat(swap.buffered_fd)
@@ -223,12 +275,9 @@ class SwapStore:
     def _grow(self, logical_end: int) -> None:
         """Preallocate every file to exactly what logical bytes [0, logical_end) need. Free space is checked
         first, and a failure gives back all this call reserved: a full disk keeps its free space."""
-        n = len(self.files)
-        chunks = (logical_end + self.stripe_size - 1) // self.stripe_size
         grow: list[tuple[int, int, int]] = []  # (file index, its size now, the size it needs)
-        for d in range(n):
-            mine = chunks // n + (1 if d < chunks % n else 0)  # stripe chunks that land in file d
-            need, have = mine * self.stripe_size, self._file_sizes[d]
+        for d, need in enumerate(self.layout.bytes_per_dir(logical_end)):
+            have = self._file_sizes[d]
             if need > have:
                 grow.append((d, have, need))
         if not grow:
@@ -286,15 +335,21 @@ class SwapStore:
         """The engine pieces (file, file offset, length, offset in the caller's buffer) covering `nbytes` of
         the extent from `offset` on; see [Note: striping]."""
         nbytes = extent.size - offset if nbytes is None else nbytes
-        n, ss = len(self.files), self.stripe_size
-        if n == 1:  # logical offsets are the file's own: one piece
+        if len(self.files) == 1:  # logical offsets are the file's own: one piece
             return [Piece(self.files[0], extent.start + offset, nbytes, 0)] if nbytes else []
+        ss = self.stripe_size
         pieces: list[Piece] = []
         pos = 0
-        while pos < nbytes:  # one piece per stripe chunk
+        while pos < nbytes:  # one piece per stripe chunk, merged with the last where they are consecutive
             k, within = divmod(extent.start + offset + pos, ss)
             length = min(ss - within, nbytes - pos)
-            pieces.append(Piece(self.files[k % n], (k // n) * ss + within, length, pos))
+            d, at = self.layout.place(k)
+            f, where = self.files[d], at * ss + within
+            last = pieces[-1] if pieces else None
+            if last is not None and last.file is f and last.offset + last.length == where:
+                pieces[-1] = Piece(f, last.offset, last.length + length, last.buf_offset)
+            else:
+                pieces.append(Piece(f, where, length, pos))
             pos += length
         return pieces
 

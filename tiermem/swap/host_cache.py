@@ -35,6 +35,7 @@ from tiermem.config import Config
 from tiermem.errors import BudgetError, CorruptDataError, StoreError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.backends import create_engine
+from tiermem.io.bandwidth import path_weights
 from tiermem.io.buffers import HostBufferPool, PoolBuffer, align_up
 from tiermem.io.engine import IOEngine, Piece
 from tiermem.io.future import IOFuture
@@ -150,7 +151,8 @@ class HostCache:
         with self.lock:
             if self._store is None:
                 io, nv = self.config.io, self.config.nvme
-                self._store = SwapStore(list(nv.paths), self.engine, stripe_size=nv.stripe_size,
+                weights, _ = path_weights(nv.paths, nv.path_weights)  # entry settled "auto" already
+                self._store = SwapStore(list(nv.paths), self.engine, stripe_size=nv.stripe_size, weights=weights,
                                         keep_files=nv.keep_files, direct=io.direct)
             return self._store
 
