@@ -232,12 +232,14 @@ def wait_for_quiet(max_cores: float, limit_s: float, *, window_s: float = 1.0, p
 
 
 # -- the bandwidth probe ------------------------------------------------------------------------------
-def tiermem_bench_io(options: list[str], path: str, timeout: float) -> tuple[list[dict[str, Any]], str]:
-    """Run `python3 -m tiermem bench io OPTIONS --json --no-progress --path PATH`; return its JSON results and
-    the command as the reports quote it. Raises RuntimeError when it fails or prints no results."""
+def tiermem_bench_io(options: list[str], path: str, timeout: float,
+                     env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str]:
+    """Run `python3 -m tiermem bench io OPTIONS --json --no-progress --path PATH` (in `env`, default this
+    process's); return its JSON results and the command as the reports quote it. Raises RuntimeError when it
+    fails or prints no results."""
     cmd = [sys.executable, "-m", "tiermem", "bench", "io", *options, "--json", "--no-progress", "--path", path]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"tiermem bench io timed out after {timeout:.0f} s") from exc
     if proc.returncode != 0:

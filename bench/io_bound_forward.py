@@ -64,7 +64,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())
                                   for _ in range(BLOCKS)])
     x = torch.randn(1, WIDTH)
-    settings = {"device": "cpu", "params.tier": "nvme", "nvme.paths": [os.path.join(spec["dir"], "swap")],
+    swap_paths = spec.get("swap_paths") or [os.path.join(spec["dir"], "swap")]  # several: bench/striping.py
+    settings = {"device": "cpu", "params.tier": "nvme", "nvme.paths": swap_paths,
                 "memory.host_budget": spec["host_budget"], "io.engine": "io_uring",
                 "io.queue_depth": spec["queue_depth"]}
     rates, seconds = [], []
@@ -79,16 +80,23 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             seconds.append(dt)
             rates.append(tm.stats()["bytes_read"] / dt / 1e9)
         resident = tm.stats()["resident_bytes"]
+        store = tm.swapper.store
+        weights = list(store.layout.weights) if hasattr(store, "layout") else [1]  # older trees: equal
         trace = os.path.join(spec["dir"], "pass.json")
         with tm.trace(trace):
             model(x)
-    out = subprocess.run([sys.executable, "-m", "tiermem", "bench", "io", "--engine", "io_uring", "--mode", "read",
-                          "--size", "1GiB", "--runs", "3", "--queue-depth", str(spec["queue_depth"]), "--json",
-                          "--no-progress", "--path", os.path.join(spec["dir"], "io")],
-                         capture_output=True, text=True, check=True, env=os.environ).stdout
-    engine = json.loads(out)["results"][0]["gbps_mean"]
+    if spec.get("skip_engine"):
+        engine = None
+    else:
+        io_paths = [a for p in (spec.get("io_paths") or [os.path.join(spec["dir"], "io")]) for a in ("--path", p)]
+        out = subprocess.run([sys.executable, "-m", "tiermem", "bench", "io", "--engine", "io_uring", "--mode",
+                              "read", "--size", "1GiB", "--runs", "3", "--queue-depth", str(spec["queue_depth"]),
+                              *(["--weights", ",".join(map(str, weights))] if len(weights) > 1 else []),
+                              "--json", "--no-progress", *io_paths],
+                             capture_output=True, text=True, check=True, env=os.environ).stdout
+        engine = json.loads(out)["results"][0]["gbps_mean"]
     return {"read_gbps": rates, "seconds": seconds, "engine_read_gbps": engine, "resident_bytes": resident,
-            **disk_idle(trace), "tiermem": tiermem.__file__}
+            "weights": weights, **disk_idle(trace), "tiermem": tiermem.__file__}
 
 
 def main(argv: list[str]) -> int:
