@@ -124,6 +124,7 @@ class Variant:
     kind: str  # memory | tiermem | accelerate | mmap
     prefetch: bool = True  # tiermem only
     cold: bool = False  # accelerate and mmap: drop their files from the page cache before every forward
+    storage: str = "full"  # tiermem only: params.storage (the generation mode's compressed variant)
 
 
 VARIANTS = (
@@ -424,6 +425,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 # -- generation mode (see [Note: generation mode]) ------------------------------------------------------
 GEN_VARIANTS = (Variant("memory", "(a) in memory", "memory"), Variant("tiermem", "(c) tiermem, KV in tiers", "tiermem"),
+                Variant("tiermem_int8", "(c') tiermem, KV in tiers, int8", "tiermem", storage="int8"),
                 Variant("accelerate_cold", "(d) accelerate cold", "accelerate", cold=True))
 
 
@@ -446,7 +448,8 @@ def generate_worker(spec: dict[str, Any]) -> dict[str, Any]:
             import tiermem
 
             model = meta_model(model_dir)
-            overrides = tiermem_overrides(spec, **{"kv.tier": spec["kv_tier"]})
+            overrides = tiermem_overrides(spec, **{"kv.tier": spec["kv_tier"]},
+                                          **({"params.storage": v.storage} if v.storage != "full" else {}))
             out["tiermem_overrides"] = overrides
             tm = stack.enter_context(tiermem.tiered_offload(model, checkpoint=os.path.join(model_dir,
                                                                                            "model.safetensors"),
@@ -549,7 +552,10 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
         for r in runs:
             for e in r.get("batches", []):
                 got = torch.load(e.pop("tokens_file"))
-                e["tokens_equal_memory"] = bool(torch.equal(got, ref[e["batch"]])) if e["batch"] in ref else None
+                want = ref.get(e["batch"])
+                e["tokens_equal_memory"] = bool(torch.equal(got, want)) if want is not None else None
+                if want is not None and got.shape == want.shape:  # the share of generated tokens that agree
+                    e["tokens_agree_memory"] = float((got[:, args.prompt:] == want[:, args.prompt:]).float().mean())
     finally:
         shutil.rmtree(logits_dir, ignore_errors=True)
     by = {(r["variant"], e["batch"]): e for r in runs for e in r.get("batches", [])}
@@ -567,14 +573,18 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"{b:>3} {v.label:<26} {e['seconds']:>7.1f} {e['tokens_per_second']:>7.2f} "
                   f"{dec if dec is None else f'{dec:.2f}':>12} {e['prefill_seconds']:>9.1f} "
                   f"{_gb(e['disk_read_bytes']):>8} {kv:>10} {str(e['tokens_equal_memory']):>11}")
-    ratios = {}
-    for b in args.batch_list:
-        t, m, a = by.get(("tiermem", b)), by.get(("memory", b)), by.get(("accelerate_cold", b))
-        if t is not None:
-            ratios[b] = {"vs_memory": t["tokens_per_second"] / m["tokens_per_second"] if m else None,
-                         "vs_accelerate_cold": t["tokens_per_second"] / a["tokens_per_second"] if a else None}
-            print(f"B={b}: tiermem {ratios[b]['vs_memory'] or float('nan'):.2f} x in memory, "
-                  f"{ratios[b]['vs_accelerate_cold'] or float('nan'):.2f} x accelerate cold (tokens/s)")
+    ratios: dict[str, dict[int, dict[str, float | None]]] = {}
+    for key in ("tiermem", "tiermem_int8"):
+        for b in args.batch_list:
+            t, m, a = by.get((key, b)), by.get(("memory", b)), by.get(("accelerate_cold", b))
+            if t is not None:
+                r = ratios.setdefault(key, {})[b] = {
+                    "vs_memory": t["tokens_per_second"] / m["tokens_per_second"] if m else None,
+                    "vs_accelerate_cold": t["tokens_per_second"] / a["tokens_per_second"] if a else None}
+                agree = t.get("tokens_agree_memory")
+                print(f"B={b}: {key} {r['vs_memory'] or float('nan'):.2f} x in memory, "
+                      f"{r['vs_accelerate_cold'] or float('nan'):.2f} x accelerate cold (tokens/s)"
+                      + (f"; {agree:.0%} of its tokens as in memory" if agree is not None else ""))
     wall = time.perf_counter() - t_start
     print(f"\nwhole run {wall:.0f} s")
     if args.json:

@@ -439,3 +439,77 @@ def test_changes_during_a_write_back_are_not_lost(tmp_path, engine: str) -> None
             sw.evict(p).wait()
             assert torch.all(sw.acquire(p, Tier.HOST)["a"] == 150)
             sw.release(p)
+
+
+class _GatedEngine:
+    """Wraps an engine: reads start on it at once, but report completion only once `open()` is called, so a
+    test sees which reads the swapper has started while the earlier ones are still in flight."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.block_size, self.queue_depth = inner.block_size, inner.queue_depth
+        self.reads: list[int] = []  # bytes of each read, in the order started
+        self._held: list[tuple[object, object]] = []
+        self._open = True
+        self._lock = threading.Lock()
+
+    def close_gate(self) -> None:
+        self._open = False
+
+    def open(self) -> None:
+        with self._lock:
+            self._open, held, self._held = True, self._held, []
+        for real, proxy in held:
+            real.add_done_callback(lambda f, p=proxy: p._chunk_done(f.exception()))
+
+    def read_pieces(self, buf, pieces):
+        from tiermem.io.future import IOFuture
+
+        real = self.inner.read_pieces(buf, pieces)
+        with self._lock:
+            self.reads.append(sum(p.length for p in pieces))
+            if self._open:
+                return real
+            proxy = IOFuture(real.nbytes, 1)
+            self._held.append((real, proxy))
+            return proxy
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_reads_start_in_order_and_only_a_queues_worth_at_once(tmp_path) -> None:
+    """[Note: reads in order]: with a queue's worth of 8 x 64 KiB, three 512 KiB reads asked for at once start
+    one at a time, each when the one ahead completes (given the whole queue together they would share the
+    drive and finish together); three 64 KiB reads all start at once; every byte arrives."""
+    from tiermem.io.backends import create_engine
+
+    with create_engine("auto", block_size=64 * KiB, queue_depth=8) as inner:
+        engine = _GatedEngine(inner)
+        with TensorSwapper(None, engine=engine, **{"device": "cpu", "nvme.paths": [str(tmp_path / "swap")],
+                                                   "memory.host_budget": "8MiB"}) as sw:
+            big = [torch.randn(128 * KiB, generator=torch.Generator().manual_seed(i)) for i in range(3)]  # 512 KiB
+            small = [torch.randn(16 * KiB, generator=torch.Generator().manual_seed(9 + i)) for i in range(3)]
+            parts = [sw.add(f"big{i}", {"w": t}, home="nvme") for i, t in enumerate(big)]
+            parts += [sw.add(f"small{i}", {"w": t}, home="nvme") for i, t in enumerate(small)]
+            for p in parts:
+                sw.evict(p).wait()
+            engine.close_gate()
+            futures = [sw.prefetch(p, Tier.HOST) for p in parts[:3]]
+            assert engine.reads == [512 * KiB]  # the others wait their turn
+            engine.open()  # from here each completion starts the next
+            for f in futures:
+                assert f is not None
+                f.wait()
+            assert engine.reads == [512 * KiB] * 3
+            engine.reads.clear()
+            engine.close_gate()
+            futures = [sw.prefetch(p, Tier.HOST) for p in parts[3:]]
+            assert engine.reads == [64 * KiB] * 3  # 192 KiB in all: within one queue, all at once
+            engine.open()
+            for f in futures:
+                assert f is not None
+                f.wait()
+            for p, t in zip(parts, big + small, strict=True):
+                assert torch.equal(sw.acquire(p, Tier.HOST)["w"], t)
+                sw.release(p, tier=Tier.HOST)

@@ -20,10 +20,23 @@ they never touch device memory. Nothing waits for I/O while holding the lock: a 
 (for an eviction's write-back to free host memory, or for its own fetch) waits on a future after letting go
 of it, so waiting on one partition never stalls transfers of the others. The one wait under the lock is
 `fill`'s copy of a partition homed on the device back to the host, a device copy, not I/O.
+
+# [Note: reads in order]
+NVMe reads start in the order they are asked for, and one starts only while the reads in flight hold
+less than a queue's worth (io.queue_depth x io.block_size bytes) between them; the rest wait in a FIFO
+and start from the completions of those ahead. Given the whole queue at once, two unit reads share the
+drive and finish together, so the first one's compute starts only when the second is in too, and the
+drive idles while it runs (no buffer is free for a third until the first is released). In order, the
+first finishes in half the time, its compute runs while the second reads, and the read its release
+allows is queued behind the second, so the drive goes from one read to the next without a gap. Reads of
+less than a queue's worth still go several at a time, which small partitions need to keep the queue full.
+What callers wait on (`Partition.pending`) completes after `_read_done` has recorded the read, whenever
+it started. Writes are not held back: write-backs free the memory that later reads go into.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -100,6 +113,9 @@ class HostCache:
         self.next_use: Callable[[Partition], float] | None = None
         # Called (lock held, on the engine's thread) when a read has brought a partition's bytes in
         self.on_read: Callable[[Partition], None] | None = None
+        # [Note: reads in order]: bytes of the reads in flight, and the reads waiting their turn
+        self._reading = 0
+        self._queued_reads: collections.deque[tuple[Partition, PoolBuffer, IOFuture]] = collections.deque()
 
     @property
     def partition_budget(self) -> int:
@@ -119,6 +135,11 @@ class HostCache:
         if arena == "activations":
             return f"activations.buffer ({format_size(self.pool.arena_bytes[arena])})"
         return self.budget_text
+
+    @property
+    def read_window(self) -> int:
+        """Bytes of reads in flight at most, a lone larger read aside: a queue's worth ([Note: reads in order])."""
+        return self.engine.queue_depth * self.engine.block_size
 
     # -- NVMe resources, made lazily so host-only configs never touch a disk --------------------------
     @property
@@ -177,50 +198,93 @@ class HostCache:
         else:
             assert part.extent is not None
             with deferred_interrupts():  # the state says "reading" only once the read is queued
-                tracer = self.tracer  # the trace recording when the read starts gets its span
-                began = tracer.now() if tracer is not None else 0.0
-                fut = self.store.read(part.extent, buf.view, part.size)  # raises before any change
-                pieces = self.store.pieces(part.extent, part.size) if tracer is not None else []  # its spans
-                part.attach_host(buf, self.ledger, HostState.READING)
-                part.pending = fut
-                fut.add_done_callback(lambda f: self._read_done(part, f, tracer, began, pieces))
+                done = IOFuture(part.size, 1)  # completes once _read_done has recorded the read
+                if self._reading and self._reading + part.size > self.read_window:
+                    self._queued_reads.append((part, buf, done))  # [Note: reads in order]
+                    part.attach_host(buf, self.ledger, HostState.READING)
+                    part.pending = done
+                else:
+                    self._start_read(part, buf, done, attach=True)  # raises before any change
         self.complete_waiters(part)
 
-    def _read_done(self, part: Partition, fut: IOFuture, tracer: Tracer | None = None, began: float = 0.0,
-                   pieces: list[Piece] | None = None) -> None:
+    def _start_read(self, part: Partition, buf: PoolBuffer, done: IOFuture, *, attach: bool) -> None:
+        """Submit the read of `part` into `buf` (lock held); raises before any change. `attach`: give `part`
+        the buffer once the read is submitted (a queued read has it already)."""
+        assert part.extent is not None
+        tracer = self.tracer  # the trace recording when the read starts gets its span
+        began = tracer.now() if tracer is not None else 0.0
+        fut = self.store.read(part.extent, buf.view, part.size)
+        pieces = self.store.pieces(part.extent, part.size) if tracer is not None else []  # its spans
+        if attach:
+            part.attach_host(buf, self.ledger, HostState.READING)
+            part.pending = done
+        self._reading += part.size
+        fut.add_done_callback(lambda f: self._read_done(part, f, done, tracer, began, pieces))
+
+    def _start_queued_reads(self) -> None:
+        """Start the reads waiting their turn while the window has room (lock held, engine's thread)."""
+        while self._queued_reads and (not self._reading or
+                                      self._reading + self._queued_reads[0][0].size <= self.read_window):
+            part, buf, done = self._queued_reads.popleft()
+            try:
+                self._start_read(part, buf, done, attach=False)
+            except Exception as exc:  # noqa: BLE001 - the store closed or refused: that read fails
+                self._read_failed(part, exc)
+                done._chunk_done(exc)
+
+    def _read_done(self, part: Partition, fut: IOFuture, done: IOFuture, tracer: Tracer | None = None,
+                   began: float = 0.0, pieces: list[Piece] | None = None) -> None:
         if tracer is not None:
             tracer.transfer("read", part.name, began, pieces or [], ok=fut.exception() is None)
-        with self.lock:
-            part.pending = None
-            error = fut.exception()
-            if error is None and part.checksum is not None and part.host is not None:
-                got = zlib.crc32(part.host.view[: part.nbytes])
-                if got != part.checksum:
-                    error = CorruptDataError(
-                        f"partition {part.name!r}: bytes read from {', '.join(self.store.run_dirs)} do not match "
-                        f"their checksum ({got:#010x} != {part.checksum:#010x}); the swap files were changed or "
-                        "the drive returned bad data. Check the drive (dmesg, smartctl) and rerun"
-                    )
-            if isinstance(error, OSError):  # the drive's own error, with the partition it cost
-                wrapped = StoreError(f"reading partition {part.name!r} from swap failed: {error}; its NVMe copy is "
-                                     "intact as far as tiermem knows, so a retry may succeed. Check the drive "
-                                     "(dmesg, smartctl)")
-                wrapped.__cause__ = error
-                error = wrapped
-            if error is not None:
-                part.detach_host(self.pool, self.ledger)
-                part.want_device = False
-                waiters, part.waiters = part.waiters, []
-                for f in waiters:
-                    f._chunk_done(error)
-                return
-            self.bytes_read += part.size
-            if tracer is not None:
-                tracer.held(self.ledger, self._store)
-            part.read_done()
-            if self.on_read is not None:
-                self.on_read(part)
-            self.complete_waiters(part)
+        error: BaseException | None = None
+        try:
+            with self.lock:
+                self._reading -= part.size
+                try:
+                    error = self._record_read(part, fut, tracer)
+                finally:
+                    self._start_queued_reads()
+        finally:
+            done._chunk_done(error)
+
+    def _record_read(self, part: Partition, fut: IOFuture, tracer: Tracer | None) -> BaseException | None:
+        """Advance `part` after its read (lock held); return the error its waiters got, or None."""
+        part.pending = None
+        error = fut.exception()
+        if error is None and part.checksum is not None and part.host is not None:
+            got = zlib.crc32(part.host.view[: part.nbytes])
+            if got != part.checksum:
+                error = CorruptDataError(
+                    f"partition {part.name!r}: bytes read from {', '.join(self.store.run_dirs)} do not match "
+                    f"their checksum ({got:#010x} != {part.checksum:#010x}); the swap files were changed or "
+                    "the drive returned bad data. Check the drive (dmesg, smartctl) and rerun"
+                )
+        if isinstance(error, OSError):  # the drive's own error, with the partition it cost
+            wrapped = StoreError(f"reading partition {part.name!r} from swap failed: {error}; its NVMe copy is "
+                                 "intact as far as tiermem knows, so a retry may succeed. Check the drive "
+                                 "(dmesg, smartctl)")
+            wrapped.__cause__ = error
+            error = wrapped
+        if error is not None:
+            self._read_failed(part, error)
+            return error
+        self.bytes_read += part.size
+        if tracer is not None:
+            tracer.held(self.ledger, self._store)
+        part.read_done()
+        if self.on_read is not None:
+            self.on_read(part)
+        self.complete_waiters(part)
+        return None
+
+    def _read_failed(self, part: Partition, error: BaseException) -> None:
+        """A read that failed (or could not start): drop the buffer and hand the error to the waiters."""
+        part.pending = None
+        part.detach_host(self.pool, self.ledger)
+        part.want_device = False
+        waiters, part.waiters = part.waiters, []
+        for f in waiters:
+            f._chunk_done(error)
 
     def complete_waiters(self, part: Partition) -> None:
         if part.reached(Tier.HOST) and part.waiters:
