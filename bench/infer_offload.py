@@ -54,10 +54,12 @@ do_sample=False, min_new_tokens=--new-tokens)` once per process and batch (after
 generate of one sequence that records tiermem's order), timed whole and per step by forward hooks on the
 model (the first forward is the prompt's prefill, the rest are decoding steps). Variants: (a) in memory,
 (c) tiermem with --kv-tier (default nvme: the KV cache in swap, the host pool its cache, see [Note: tiered
-KV cache] in tiermem/runtime/kv_cache.py) under --host-budget, (d) accelerate cold, its offload folder
-dropped from the page cache before every forward (prefill and each step). tokens/s counts the generated
-tokens, B x --new-tokens, over the whole generate(); decode tokens/s those of the steps after the first
-over the steps' time. Each variant's tokens must equal the in-memory ones.
+KV cache] in tiermem/runtime/kv_cache.py) under --host-budget, (c') the same with `params.storage: int8`
+(weights compressed on NVMe, see [Note: compressed weights] in tiermem/quant.py), (d) accelerate cold, its
+offload folder dropped from the page cache before every forward (prefill and each step). tokens/s counts
+the generated tokens, B x --new-tokens, over the whole generate(); decode tokens/s those of the steps after
+the first over the steps' time. Each variant's tokens must equal the in-memory ones, but (c')'s, whose
+weights are rounded: for it the share of generated tokens equal to the in-memory ones is reported.
 
     python3 bench/infer_offload.py --generate --json bench/results/infer_generate.json
 GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes; GiB = 2**30 bytes.
