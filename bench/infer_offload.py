@@ -506,8 +506,9 @@ def generate_worker(spec: dict[str, Any]) -> dict[str, Any]:
             }
             if tm is not None:
                 st = tm.stats()
-                entry.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds", "kv_peak_bytes",
-                                                  "kv_bytes_read", "kv_bytes_written", "kv_stall_seconds")})
+                entry.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds")})
+                entry.update({k: st[k] for k in ("kv_peak_bytes", "kv_bytes_read", "kv_bytes_written",
+                                                  "kv_stall_seconds") if k in st})  # kv.tier memory: none
                 entry["peak_host_bytes"] = st["peak_bytes"]["host"]
             path = os.path.join(spec["logits_dir"], f"gen-{v.key}-{b}.pt")
             torch.save(tokens.clone(), path)
