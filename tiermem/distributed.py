@@ -12,20 +12,13 @@ arithmetic on 1/N of the elements, and padding (zero parameters, zero gradients,
 Forward and backward gather a unit before it computes: one `all_gather_into_tensor` of the ranks'
 partitions, then each parameter is copied out of the N rows into the unit's full layout on the device;
 the full copy goes when the unit is released. Once the order is recorded, the gather of the unit that comes
-next in the pass starts (async) while the current unit computes (`Runtime._gather_ahead`), at its midpoint:
-in forward, when its child module at a third of its parameters begins (in a GPT-2 block the layer norm
-after attention), and in backward when half its parameters' gradients are in. Starting the gather needs
-that unit's bytes, so it waits for their read there: at the unit's start, that wait held up all of the
-current unit's compute (0.55 s a step on the ranks bench); at the midpoint, the read has had the first part
-of the compute to finish in, and the gather still has the rest to run behind. A unit with no such child
-(or whose child did not run) starts it when it is released, and a unit entered before the midpoint came
-starts it first. Collectives must be issued in the same order on every rank, so what is gathered ahead,
-and where, depends only on the recorded order and the program, never on timing (whether a read has
-finished): every rank makes the same prediction and the same mistakes. Nothing is gathered ahead across
-the end of a pass: the optimizer step between passes changes the parameters. After a unit's backward its
-gradients are laid out in N rows the same way and `reduce_scatter_tensor` leaves each rank the sum of its
-chunks, divided by N (the average DDP takes). The gradient norm for clipping and the float16 overflow check
-are all-reduced.
+next in the pass starts (async) as soon as the current unit is bound, so it runs while that unit computes
+(`Runtime._gather_ahead`). Collectives must be issued in the same order on every rank, so what is gathered
+ahead depends only on the recorded order, never on timing (whether a read has finished): every rank makes
+the same prediction and the same mistakes. Nothing is gathered ahead across the end of a pass: the
+optimizer step between passes changes the parameters. After a unit's backward its gradients are laid out in N
+rows the same way and `reduce_scatter_tensor` leaves each rank the sum of its chunks, divided by N (the
+average DDP takes). The gradient norm for clipping and the float16 overflow check are all-reduced.
 
 Checkpoints hold whole tensors, gathered unit by unit and written by rank 0, so any number of ranks (one
 included) loads them, each reading its chunks. Every rank checks at entry that all ranks run the same

@@ -25,7 +25,6 @@ device when the window holds it again. See [Note: prefetch window] in schedule.p
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from typing import Any
@@ -95,8 +94,6 @@ class Runtime:
         self.kv: Any = None  # the tiered KV cache's blocks (kv.tier other than memory), see kv_cache.py
         self.moved_buffers: list[tuple[nn.Module, str, torch.device]] = []  # (module, name, origin) to give back
         self._ahead: tuple[int, Gathering] | None = None  # a unit whose gather started early (several ranks)
-        self._ahead_due: int | None = None  # a bound unit whose gather-ahead waits for its midpoint
-        self._midpoint_units: set[int] = set()  # units with a forward midpoint child (see _find_midpoints)
         self._charged: dict[int, int] = {}  # unit -> gathered bytes counted on the device's ledger
         self._expanded: dict[int, torch.Tensor] = {}  # unit -> the buffer its compressed weights expand into
         self._spare: dict[int, torch.Tensor] = {}  # size -> an expansion buffer kept for the next unit of it
@@ -136,9 +133,6 @@ class Runtime:
         for module, indices in self.needs.items():
             self.handles.append(module.register_forward_pre_hook(self._make_pre(indices)))
             self.handles.append(module.register_forward_hook(self._make_post(indices), always_call=True))
-        for child, i in self._find_midpoints().items():
-            self._midpoint_units.add(i)
-            self.handles.append(child.register_forward_pre_hook(self._make_midpoint(i)))
         for u in self.units:
             for _, p in u.params:
                 if p.requires_grad:
@@ -240,7 +234,6 @@ class Runtime:
             self.exit(i, drop=True)
         self._bwd_held.clear()
         self._bwd_done.clear()
-        self._ahead_due = None
         self._in_backward = False
         self._awaiting_backward = False
 
@@ -263,8 +256,6 @@ class Runtime:
             self.optimizer.accumulate(i, fqn, p.grad)
             p.grad = None  # the device copy goes now; the fp32 accumulator holds it
         self._bwd_done[i] = self._bwd_done.get(i, 0) + 1
-        if self._bwd_done[i] == self._trainable_count.get(i, 0) // 2:
-            self._fire_ahead(i)  # half its gradients are in: its backward midpoint
         if self._bwd_done[i] == self._trainable_count.get(i, 0):
             self._finish_unit_backward(i)
             self._bwd_done[i] = -1  # finished: the end-of-backward sweep leaves it alone
@@ -290,50 +281,6 @@ class Runtime:
         if self._awaiting_backward:
             self._awaiting_backward = False
             self._finish_pass(trained=True)
-
-    def _find_midpoints(self) -> dict[nn.Module, int]:
-        """For each sharded unit whose largest module of its own holds most of its parameters: the child of
-        that module whose forward begins once a third of them are behind it (see [Note: sharding] in
-        tiermem/distributed.py)."""
-        roots: dict[int, list[nn.Module]] = {}
-        for module, indices in self.needs.items():
-            if len(indices) == 1:
-                roots.setdefault(indices[0], []).append(module)
-        numel = {id(p): math.prod(shape) for u in self.units for (_, p), shape in zip(u.params, u.shapes,
-                                                                                          strict=True)}
-
-        def count(m: nn.Module) -> int:  # the real sizes: unbound parameters are empty placeholders
-            return sum(numel.get(id(p), 0) for p in m.parameters())
-
-        out: dict[nn.Module, int] = {}
-        for i, modules in roots.items():
-            if not self.units[i].ranks.sharded:
-                continue
-            total = sum(numel[id(p)] for _, p in self.units[i].params)
-            root = max(modules, key=count)
-            if 2 * count(root) < total:
-                continue
-            behind = 0
-            for child in root.children():
-                if behind * 3 >= total and child not in self.needs and child not in out:
-                    out[child] = i
-                    break
-                behind += count(child)
-        return out
-
-    def _make_midpoint(self, i: int) -> Any:
-        def midpoint(module: nn.Module, args: Any) -> None:
-            if not self._in_backward:
-                self._fire_ahead(i)
-
-        return midpoint
-
-    def _fire_ahead(self, i: int | None = None) -> None:
-        """Start the gather-ahead waiting for unit `i`'s midpoint (any unit's, when None)."""
-        due = self._ahead_due
-        if due is not None and (i is None or due == i):
-            self._ahead_due = None
-            self._gather_ahead(due)
 
     def _make_pre(self, indices: list[int]) -> Any:
         def pre(module: nn.Module, args: Any) -> None:
@@ -415,7 +362,6 @@ class Runtime:
         unit.depth += 1
         if unit.depth > 1:
             return
-        self._fire_ahead()  # another unit's, due at a midpoint this one came before: in program order
         part = unit.partition
         sw = self.swapper
         try:
@@ -457,12 +403,7 @@ class Runtime:
                 self.swapper.demote(self.units[j].partition)
                 self._on_device.discard(j)
         if unit.ranks.sharded:
-            halfway = (self._trainable_count.get(i, 0) >= 2 if self._in_backward
-                       else i in self._midpoint_units)
-            if halfway:
-                self._ahead_due = i  # started at its midpoint ([Note: sharding] in tiermem/distributed.py)
-            else:
-                self._gather_ahead(i)
+            self._gather_ahead(i)
 
     # -- several ranks: gathering units whole (see [Note: sharding] in tiermem/distributed.py) --------------
     def _trace_acquired(self, unit: Unit, began: float) -> None:
@@ -591,7 +532,6 @@ class Runtime:
 
     def settle(self) -> None:
         """Finish a gather started ahead that no unit took (the with-block ends, or raised mid-pass)."""
-        self._ahead_due = None  # none started for it yet
         if self._ahead is not None:
             j, g = self._ahead
             self._ahead = None
@@ -618,7 +558,6 @@ class Runtime:
         unit.depth -= 1
         if unit.depth > 0:
             return
-        self._fire_ahead(i)  # its midpoint never came (no such child ran)
         if self.tracer is not None and i in self._bound_at:
             self.tracer.span("compute", f"{'backward' if self._in_backward else 'forward'} {unit.name}",
                              self._bound_at.pop(i), unit=i)
