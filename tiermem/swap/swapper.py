@@ -467,13 +467,19 @@ class TensorSwapper:
             return self.cache.start_eviction(part)
 
     def flush(self) -> None:
-        """Write every dirty NVMe partition on host back to disk (they stay cached) and wait."""
-        writes = []
-        with self._lock:
-            for part in self.partitions.values():
-                if part.home is Tier.NVME and part.dirty and part.host_state is HostState.READY:
-                    writes.append((part, self.cache.start_write(part, free_after=False)))
-        self._wait_writes(writes)
+        """Write every dirty NVMe partition on host back to disk (they stay cached) and wait, for the writes
+        already in flight (an eviction's write-back) too."""
+        for _ in range(2):  # one changed while its write was in flight is dirty again after it: write it then
+            writes = []
+            with self._lock:
+                for part in self.partitions.values():
+                    if part.home is not Tier.NVME:
+                        continue
+                    if part.host_state is HostState.WRITING and part.pending is not None:
+                        writes.append((part, part.pending))
+                    elif part.dirty and part.host_state is HostState.READY:
+                        writes.append((part, self.cache.start_write(part, free_after=False)))
+            self._wait_writes(writes)
         store = self.cache.store_if_open
         if store is not None:
             store.flush()
