@@ -67,6 +67,8 @@ class RuntimeFace(Protocol):
 
     def unfollow(self, part: object) -> None: ...
 
+    def entered_at(self, unit: int) -> int | None: ...
+
 TAIL_SHARE = 8  # partial blocks kept in host memory take at most 1/TAIL_SHARE of the host budget
 
 
@@ -105,6 +107,7 @@ class TieredLayer(CacheLayerMixin):
         self.index = index  # its place in the cache, for messages
         self.blocks: list[_Block] = []  # in sequence order; the list object is kept for the finalizer
         self.length = 0  # tokens cached
+        self.read_at = -1  # the swapper's clock when an update last ended (its blocks read and appended to)
         self.unit: int | None = None  # the unit that computes this layer, found at the first update
         self.shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # batch, heads, key dim, value dim
         self.dtype = torch.float32
@@ -144,6 +147,8 @@ class TieredLayer(CacheLayerMixin):
         keys[:, :, self.length:].copy_(key_states)
         values[:, :, self.length:].copy_(value_states)
         self._append(key_states, value_states)
+        self.read_at = store.swapper.clock
+        store.run_deferred()
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -274,6 +279,7 @@ class KVStore:
         self.dead: list[list[_Block]] = []  # blocks of layers the program dropped (appended by finalizers)
         self._names = itertools.count()  # partition names kv.0, kv.1, ...
         self.active: _Group | None = None  # the cache updated last: the one whose blocks are prefetched
+        self._deferred: list[int] | None = None  # a window whose blocks wait for a layer's update (see prefetch)
         self.host_bytes = 0  # blocks homed on the host (kv.tier cpu or auto)
         self.tail_bytes = 0  # partial blocks kept resident
         self.closed = False
@@ -359,14 +365,30 @@ class KVStore:
         self.active = layer.group
 
     def prefetch(self, window: list[int]) -> None:
-        """Start reading the blocks of the active cache's layers computed by the units in `window`."""
+        """Start reading the blocks of the active cache's layers computed by the units in `window`. While a
+        unit computing has a layer whose update is still to come, the reads wait for the end of that update:
+        read ahead first, the window's blocks would take the room that layer's own blocks need, and its update
+        would evict them to read its own (under a tight budget, every step read them twice)."""
         group = self.active
         if group is None or self.closed:
             return
-        for layer in list(group.layers):
+        layers = list(group.layers)
+        for layer in layers:
+            if layer.unit is not None and layer.blocks:
+                entered = self.runtime.entered_at(layer.unit)
+                if entered is not None and layer.read_at <= entered:
+                    self._deferred = window
+                    return
+        self._deferred = None
+        for layer in layers:
             if layer.unit in window:
                 for blk in layer.blocks:
                     self.fetch(blk)
+
+    def run_deferred(self) -> None:
+        """A layer's update has read its blocks: start the reads `prefetch` put off for it."""
+        if self._deferred is not None:
+            self.prefetch(self._deferred)
 
     # -- blocks ---------------------------------------------------------------------------------------
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

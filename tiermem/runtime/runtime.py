@@ -38,7 +38,7 @@ from tiermem.runtime.activations import ActivationStore, _SavedActivation
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
-from tiermem.swap import TensorSwapper, Tier
+from tiermem.swap import Partition, TensorSwapper, Tier
 from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class Runtime:
         self.prefetch_misses = 0  # acquisitions that had to start reading
         self.passes = 0
         self._unit_of = {id(u.partition): u.index for u in units}
+        self._entered_at: dict[int, int] = {}  # unit -> the swapper's clock when it was last entered
         self._param_unit = {id(p): (u.index, fqn) for u in units for fqn, p in u.params}  # id -> (unit, FQN)
         self.optimizer: Any = None  # the TieredOptimizer that takes gradients, when training
         self._saved_hooks: Any = None  # the saved_tensors_hooks context, entered for the context's life
@@ -111,8 +112,9 @@ class Runtime:
         gathered += 2 * max((u.whole.size for u in units if u.quant is not None), default=0)
         swapper.derive_device_cap(largest, window, gathered)
 
-    def _next_use(self, part: object) -> float:
-        """Acquisitions until the schedule needs this partition again (inf when it never does)."""
+    def _next_use(self, part: Partition) -> float:
+        """Acquisitions until the schedule needs this partition again, counting the next one as 1 (inf when it
+        never does); 0 for one needed now (see follow()) and for all while no order is recorded."""
         order = self.schedule.order
         if not order:
             return 0.0  # nothing recorded yet: fall back to least recently used
@@ -121,9 +123,13 @@ class Runtime:
             n = len(order)
             dist = {}
             for k in range(n):
-                dist.setdefault(order[(self.schedule.pos + k) % n], k)
+                dist.setdefault(order[(self.schedule.pos + k) % n], k + 1)
             self._distance = (self.schedule.pos, dist)
-        return float(dist.get(self._unit_of.get(id(part), -1), float("inf")))
+        unit = self._unit_of.get(id(part), -1)
+        entered = self.entered_at(unit) if unit >= 0 and part is not self.units[unit].partition else None
+        if entered is not None and part.last_used <= entered:
+            return 0.0  # see follow()
+        return float(dist.get(unit, float("inf")))
 
     # -- hooks --------------------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -362,6 +368,7 @@ class Runtime:
         unit.depth += 1
         if unit.depth > 1:
             return
+        self._entered_at[i] = self.swapper.clock  # see follow()
         part = unit.partition
         sw = self.swapper
         try:
@@ -600,8 +607,15 @@ class Runtime:
             self.kv.prefetch(window)  # the KV blocks of the layers these units compute
 
     def follow(self, part: object, unit: int) -> None:
-        """Evict `part` (a KV block) by the next use of unit `unit`, as the unit's own partition is."""
+        """Evict `part` (a KV block) by the next use of unit `unit`, as the unit's own partition is. While that
+        unit computes, a followed partition it has not used since it was entered is needed now (its layer's
+        update is still to come), not at the unit's next use, a whole pass away: the units read ahead meanwhile
+        must not evict it (they did, and each decoding step read a KV cache under a tight budget 1.7 times)."""
         self._unit_of[id(part)] = unit
+
+    def entered_at(self, unit: int) -> int | None:
+        """The swapper's clock when unit `unit` was entered, while it computes; None when it does not."""
+        return self._entered_at.get(unit) if self.units[unit].depth > 0 else None
 
     def unfollow(self, part: object) -> None:
         self._unit_of.pop(id(part), None)

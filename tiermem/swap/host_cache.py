@@ -405,8 +405,8 @@ class HostCache:
         )
 
     def _needed_after(self, p: Partition, part: Partition) -> bool:
-        """True when `p` is next needed later than `part`, or the order says nothing of `part` (no order yet,
-        or a partition outside it: a saved activation)."""
+        """True when `p` is next needed later than `part`, or `part` is needed now or the order says nothing of
+        it (no order yet, or a partition outside it: a saved activation)."""
         if self.next_use is None:
             return True
         need = self.next_use(part)

@@ -169,8 +169,9 @@ class TensorSwapper:
 
     def evict_by_next_use(self, next_use: Callable[[Partition], float]) -> None:
         """From now on, when host memory runs short, write back first the partition needed furthest ahead:
-        `next_use(part)` is how many acquisitions away its next use is (inf for never). Until it is called
-        (and while `next_use` returns 0 for all, before an order is known), the least recently used goes first."""
+        `next_use(part)` is how many acquisitions away its next use is (1 for the next, inf for never, 0 for
+        needed now). Until it is called (and while `next_use` returns 0 for all, before an order is known), the
+        least recently used goes first."""
         self.cache.next_use = next_use
 
     def is_on_the_way(self, part: Partition, tier: Tier = Tier.DEVICE) -> bool:
@@ -184,6 +185,11 @@ class TensorSwapper:
         """Whether `part` holds host memory now (its bytes there, or being read into it)."""
         with self._lock:
             return part.host_state is not HostState.NONE
+
+    @property
+    def clock(self) -> int:
+        """The LRU clock: a partition fetched or released after a reading of it has a larger `last_used`."""
+        return self._clock
 
     def write_back(self, part: Partition) -> IOFuture:
         """Start writing a dirty NVMe partition's host copy to disk (it stays cached); the future completes
