@@ -26,6 +26,12 @@ seed, in host memory, and sees the same batches in the same order. Variants:
                         memory.host_budget=--host-budget) and nothing else: what a user who sets only where and
                         how much gets (issue 14's goals are on it)
   (e/t)                 (e) recording a timeline trace (trace.path), only when named in --variants: its cost
+  (a/io)                (a) with fio moving --io-load GB/s (read,write; O_DIRECT, io_uring, 1 MiB requests, 32 in
+                        flight, two rate-limited jobs on two 1 GiB files in --swap-dir) for the whole process, only
+                        when named in --variants: what disk traffic alone costs the compute on this machine. On a
+                        virtual machine whose disk is emulated by the host, I/O takes CPU time from the guest
+                        (steal); an offload that moves those bytes pays it whatever its schedule, so (a/io), not
+                        (a), is the floor for (e) here. fio's achieved read/write GB/s are in the JSON.
   (d) DeepSpeed ZeRO-3  deepspeed.initialize with zero_optimization stage 3, offload_param and
                         offload_optimizer on NVMe (--swap-dir/deepspeed), its own AdamW (DeepSpeedCPUAdam),
                         DS_ACCELERATOR=cpu, gloo, one process; offload_param.buffer_count = the number of
@@ -152,6 +158,8 @@ VARIANTS = (
     # (e) with PyTorch's own CPU allocator: what the default allocator (auto: tiermem's) does in the defaults
     Variant("tiermem_default_torchalloc", "(e/pt) (e) + memory.cpu_allocator torch", "tiermem", default=False),
     Variant("deepspeed", "(d) DeepSpeed ZeRO-3 NVMe", "deepspeed"),
+    # (a) beside fio moving --io-load through the swap disk: the floor the disk traffic sets on this machine
+    Variant("plain_io", "(a/io) (a) + fio --io-load", "plain", default=False),
 )
 BY_KEY = {v.key: v for v in VARIANTS}
 GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_lazy", "_lazy"), ("tiermem_default", "_default"),
@@ -206,6 +214,44 @@ def deepspeed_config(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def fio_load(spec: dict[str, Any]) -> Any:
+    """Start fio reading and writing spec['io_load'] = [read, write] GB/s in spec['io_dir'] until stopped."""
+    import subprocess
+
+    os.makedirs(spec["io_dir"], exist_ok=True)
+    read_bps, write_bps = (int(g * GB) for g in spec["io_load"])
+    job = os.path.join(spec["io_dir"], "load.fio")
+    with open(job, "w", encoding="ascii") as f:
+        f.write("[global]\nioengine=io_uring\ndirect=1\nbs=1M\niodepth=32\nsize=1G\ntime_based\nruntime=86400\n"
+                f"[read]\nrw=read\nfilename={os.path.join(spec['io_dir'], 'read')}\nrate={read_bps}\n"
+                f"[write]\nrw=write\nfilename={os.path.join(spec['io_dir'], 'write')}\nrate=,{write_bps}\n")
+    readfile = os.path.join(spec["io_dir"], "read")
+    # the file fio reads is written whole first, so that the load's reads start at once
+    subprocess.run(["fio", "--name=layout", "--rw=write", "--bs=1M", "--size=1G", "--direct=1",
+                    f"--filename={readfile}"], check=True, capture_output=True)
+    proc = subprocess.Popen(["fio", "--output-format=json", job], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(1.0)
+    if proc.poll() is not None:
+        raise RuntimeError(f"fio exited at once: {proc.communicate()[1].strip()[-500:]}")
+    return proc
+
+
+def fio_stop(proc: Any) -> dict[str, Any]:
+    """Stop fio_load's fio; the GB/s it moved each way."""
+    import json
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    try:
+        jobs = json.loads(out[out.index("{"):])["jobs"]
+    except ValueError:
+        return {"error": f"fio printed no results: {err.strip()[-500:]}"}
+    return {"read_gbps": sum(j["read"]["bw_bytes"] for j in jobs) / GB,
+            "write_gbps": sum(j["write"]["bw_bytes"] for j in jobs) / GB}
 
 
 def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -263,6 +309,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["peak_reset"] = reset_peak_rss()
 
     samples = []
+    load = fio_load(spec) if v.key == "plain_io" else None
     try:
         for i in range(spec["warmup"] + spec["steps"]):
             micro = batches[i * acc : (i + 1) * acc]
@@ -312,6 +359,8 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
         out["peak_rss_bytes"] = max(out["setup_peak_rss_bytes"], peak_rss_bytes())
         out["rss_end_bytes"] = status_bytes("VmRSS")
     finally:
+        if load is not None:
+            out["io_load"] = fio_stop(load)
         t_down = time.perf_counter()
         for ctx in reversed(stack):
             ctx.__exit__(None, None, None)
@@ -555,6 +604,11 @@ def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[st
                                    "peak_rss_bytes_max": c["peak_rss_bytes_max"],
                                    "steps_peak_rss_bytes_max": c["steps_peak_rss_bytes_max"], "limit_bytes": limit}
     e = by.get("tiermem_default")  # issue 14: the defaults, with the loop's clipping and accumulation
+    f = by.get("plain_io")
+    if e and f:  # against the floor the disk traffic sets on this machine
+        r = e["seconds_mean"] / f["seconds_mean"]
+        out["default_vs_plain_io"] = {"held": r <= DEFAULT_PLAIN_GOAL, "ratio": r, "goal": DEFAULT_PLAIN_GOAL,
+                                      "paired": paired(runs, "tiermem_default", "plain_io")}
     if e and a:
         r = e["seconds_mean"] / a["seconds_mean"]
         out["default_vs_plain"] = {"held": r <= DEFAULT_PLAIN_GOAL, "ratio": r, "goal": DEFAULT_PLAIN_GOAL,
@@ -669,7 +723,8 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
                   f"({g['tiermem_parameters_per_second'] / 1e6:.0f}M vs {g['adamw_parameters_per_second'] / 1e6:.0f}M "
                   f"parameters/s, ratio {g['ratio']:.2f}" + (f", paired per round {pv['mean']:.2f} ± {pv['std']:.2f}"
                                                              if pv else "") + ")")
-    for key, what in (("default_vs_plain", "(a)"), ("default_vs_deepspeed", "(d)")):
+    for key, what in (("default_vs_plain", "(a)"), ("default_vs_plain_io", "(a/io)"),
+                      ("default_vs_deepspeed", "(d)")):
         g = verdict.get(key)
         if g:
             print(f"  (e) the defaults <= {g['goal']} x {what}: {'held' if g['held'] else 'NOT held'} "
@@ -722,6 +777,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="timed turns of the update benchmark: (b)'s tm.optimizer.step() and torch.optim.AdamW.step() "
                         "on the same data, in one process (default 20; 0: skip it)")
     p.add_argument("--update-warmup", type=int, default=3, help="untimed turns before those (default 3)")
+    p.add_argument("--io-load", default="0.5,0.5", metavar="READ,WRITE",
+                   help="GB/s fio reads and writes beside (a/io) (default 0.5,0.5: about what (e) moves per second)")
     p.add_argument("--json", metavar="OUT.json", default=None, help="also write every figure to this file")
     args = p.parse_args(argv)
     if args.heads is None:
@@ -730,6 +787,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.host_budget_bytes = parse_size(args.host_budget, what="--host-budget")
         args.cpu_host_budget_bytes = parse_size(args.cpu_host_budget, what="--cpu-host-budget")
         parse_size(args.io_size, what="--io-size")
+        args.io_load_gbps = [float(g) for g in args.io_load.split(",")]
+        if len(args.io_load_gbps) != 2 or min(args.io_load_gbps) <= 0:
+            raise ValueError(f"--io-load {args.io_load!r}: expected READ,WRITE in GB/s, both above 0, e.g. 0.5,0.5")
     except ValueError as exc:
         p.error(str(exc))
     args.variant_list = [BY_KEY[k] for k in check_variants(p, args.variants, list(BY_KEY))]
@@ -776,7 +836,8 @@ def main(argv: list[str]) -> int:
 
     base = {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": args.vocab, "seq": args.seq,
             "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "ds_swap_dir": ds_swap,
-            "accumulate": args.accumulate, "clip": args.clip}
+            "accumulate": args.accumulate, "clip": args.clip, "io_load": args.io_load_gbps,
+            "io_dir": os.path.join(args.swap_dir, "fio-load")}
     tiers = {
         "tiermem_cpu": {"device": "cpu", "params.tier": "cpu", "optimizer.tier": "cpu", "grads.tier": "cpu",
                         "memory.host_budget": args.cpu_host_budget, "nvme.paths": [tm_swap]},
@@ -820,11 +881,18 @@ def main(argv: list[str]) -> int:
                               flush=True)
                         break
                     timed = [s for s in out["samples"] if not s["warmup"]]
+                    load = out.get("io_load", {})  # (a/io)'s fio: GB/s each way, and GB per step
+                    load_gbps = load.get("read_gbps", 0.0) + load.get("write_gbps", 0.0)
                     others = statistics.fmean((s["other_cpu_seconds"] or 0) / s["seconds"] for s in timed)
-                    retry = others >= args.quiet_cores and attempt < args.retries
+                    # (a/io)'s fio is one of the others: it is never run again for them
+                    retry = others >= args.quiet_cores and attempt < args.retries and v.key != "plain_io"
                     print(f"{tag} {v.label:<27} " + " ".join(f"{s['seconds']:.2f}" for s in timed) + " s/step (opt "
                           + " ".join(f"{s['optimizer_seconds']:.2f}" for s in timed) + f"); others {others:.2f} "
                           f"cores; peak RSS {_gb(out['peak_rss_bytes'])} GB ({took:.0f} s)"
+                          + (f"; fio read {load.get('read_gbps', 0):.2f}, wrote "
+                             f"{load.get('write_gbps', 0):.2f} GB/s, "
+                             f"{statistics.fmean(s['seconds'] for s in timed) * load_gbps:.2f} GB per step"
+                             if load else "")
                           + ("; disturbed, run again" if retry else ""), file=sys.stderr, flush=True)
                     if not retry:
                         break
@@ -836,6 +904,7 @@ def main(argv: list[str]) -> int:
     finally:
         shutil.rmtree(io_dir, ignore_errors=True)
         shutil.rmtree(ds_swap, ignore_errors=True)
+        shutil.rmtree(base["io_dir"], ignore_errors=True)
 
     ok_bw = [b for b in bandwidth if "error" not in b]
     bw_summary = None
