@@ -777,8 +777,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="timed turns of the update benchmark: (b)'s tm.optimizer.step() and torch.optim.AdamW.step() "
                         "on the same data, in one process (default 20; 0: skip it)")
     p.add_argument("--update-warmup", type=int, default=3, help="untimed turns before those (default 3)")
-    p.add_argument("--io-load", default="0.5,0.5", metavar="READ,WRITE",
-                   help="GB/s fio reads and writes beside (a/io) (default 0.5,0.5: about what (e) moves per second)")
+    p.add_argument("--io-load", default="0.38,0.35", metavar="READ,WRITE",
+                   help="GB/s fio reads and writes beside (a/io) (default 0.38,0.35: with the default model and "
+                        "budget, about the bytes (e) moves per step, 1.17 GB read and 1.10 GB written)")
     p.add_argument("--json", metavar="OUT.json", default=None, help="also write every figure to this file")
     args = p.parse_args(argv)
     if args.heads is None:

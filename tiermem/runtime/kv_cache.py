@@ -20,8 +20,10 @@ partial blocks of every layer take at most an eighth of the host budget. Where b
 - auto: cpu while the blocks leave room for two of the largest streamed units (the one computing and one
   read ahead), nvme for the blocks after that.
 Each block follows the unit that computes its layer (the unit acquired last among those in use when the
-layer first updates): the runtime's schedule orders its eviction by that unit's next use, and when that
-unit enters the prefetch window its blocks are read to the host with it (`Runtime._prefetch`). At update
+layer first updates): the runtime's schedule orders its eviction by that unit's next use (while that unit
+computes and the layer has not updated, by "now": see `Runtime.follow`), and when that unit enters the
+prefetch window its blocks are read to the host with it (`Runtime._prefetch`), or, while a unit computing
+has a layer still to update, once that update ends (`KVStore.prefetch`). At update
 the layer waits for its blocks, copies them and the new tokens into one keys and one values tensor on the
 compute device (as DynamicCache makes one by concatenation every step; they go when attention is done with
 them), and appends the new tokens to its blocks. A cache the program drops gives its blocks back at the
