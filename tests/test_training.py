@@ -707,3 +707,41 @@ def test_restore_optimizer_keeps_fp32_state_when_params_train_in_float16(tmp_pat
     for k, st in inside.items():
         for name in ("exp_avg", "exp_avg_sq"):
             assert outside[k][name].dtype == torch.float32 and torch.equal(outside[k][name], st[name]), (k, name)
+
+
+@pytest.mark.parametrize("grads_tier", ["cpu", "nvme"])
+def test_exit_gives_the_accumulators_back_before_the_parameters(tmp_path, monkeypatch, grads_tier: str) -> None:
+    """Leaving after step() with no zero_grad: the last update is applied, and every gradient accumulator's
+    host memory is given back before the parameters are read back through the pool (kept, they fragmented
+    it, and a unit found no piece large enough). The weights equal plain PyTorch's."""
+    from tiermem import offload
+
+    seen: list[bool] = []
+    restore_units = offload._restore_units
+
+    def checked(model, units, swapper):  # type: ignore[no-untyped-def]
+        seen.append(any(swapper.holds_host(st.grads) for st in opt.units))
+        return restore_units(model, units, swapper)
+
+    monkeypatch.setattr(offload, "_restore_units", checked)
+    data = batches(2)
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in data:
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+    model = mlp()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        **cfg(tmp_path, **{"grads.tier": grads_tier})) as tm:
+        opt = tm.optimizer
+        for x, y in data:
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            tm.clip_grad_norm_(0.05)
+            opt.step()
+        assert opt.has_pending() and all(st.has_grad for st in opt.units)  # no zero_grad after the last step
+    assert seen == [False]
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)

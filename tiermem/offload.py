@@ -417,15 +417,25 @@ def _write_trace(handle: OffloadHandle, raised: bool) -> None:
 def _apply_recorded_updates(handle: OffloadHandle) -> Exception | None:
     """The updates `step()` recorded and no forward applied yet (see [Note: lazy update]) belong to the
     weights given back and the state kept. A failure is logged and returned, to be raised once the
-    parameters have been given back."""
-    if handle.optimizer is None or not handle.optimizer.has_pending():
+    parameters have been given back.
+
+    No gradient is given back at exit, so each unit's accumulators go as soon as its update has used them
+    (as after zero_grad), and the rest after: kept (no zero_grad since the last step), they were scattered
+    through the host pool, and the update of a large unit, then the parameters read back, found no piece
+    of it large enough (the last step's update lost, the last units left on the meta device)."""
+    opt = handle.optimizer
+    if opt is None:
         return None
+    opt.zero_grad()
     try:
-        handle.optimizer.flush()
+        if opt.has_pending():
+            opt.flush()
     except Exception as exc:  # noqa: BLE001 - raised after the restore
         log.error("leaving tiered_offload: the last step's update could not be applied to every unit (%s); the "
                   "units it did not reach are given back as they were before that step", exc)
         return exc
+    finally:
+        opt.drop_accumulators()
     return None
 
 

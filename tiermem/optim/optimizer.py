@@ -434,6 +434,19 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._update_many([(self.by_unit[i], *self.pending[i]) for i in sorted(self.pending)], done=self.pending,
                           give_back=True)
 
+    def drop_accumulators(self) -> None:
+        """Leaving the context: give back every gradient accumulator's memory (no gradient is given back with
+        the parameters; see `_apply_recorded_updates` in tiermem/offload.py)."""
+        for st in self.units:
+            st.has_grad.clear()
+            if st.grads_held:
+                continue  # a backward that raised still holds them: they go with the swapper
+            try:
+                self.swapper.discard(st.grads)
+            except Exception as exc:  # noqa: BLE001 - the restore goes on; their memory goes at close
+                log.warning("leaving tiered_offload: could not drop the gradient accumulators of unit %r: %s",
+                            st.unit.name, exc)
+
     # -- its state, for checkpoints ---------------------------------------------------------------
     def state_tensors(self) -> Iterator[StateTensor]:
         """Every state tensor (moments, momentum, master weights), unit by unit."""
