@@ -222,12 +222,11 @@ def fio_load(spec: dict[str, Any]) -> Any:
 
     os.makedirs(spec["io_dir"], exist_ok=True)
     read_bps, write_bps = (int(g * GB) for g in spec["io_load"])
-    job = os.path.join(spec["io_dir"], "load.fio")
+    job, readfile, writefile = (os.path.join(spec["io_dir"], n) for n in ("load.fio", "read", "write"))
     with open(job, "w", encoding="ascii") as f:
         f.write("[global]\nioengine=io_uring\ndirect=1\nbs=1M\niodepth=32\nsize=1G\ntime_based\nruntime=86400\n"
-                f"[read]\nrw=read\nfilename={os.path.join(spec['io_dir'], 'read')}\nrate={read_bps}\n"
-                f"[write]\nrw=write\nfilename={os.path.join(spec['io_dir'], 'write')}\nrate=,{write_bps}\n")
-    readfile = os.path.join(spec["io_dir"], "read")
+                f"[read]\nrw=read\nfilename={readfile}\nrate={read_bps}\n"
+                f"[write]\nrw=write\nfilename={writefile}\nrate=,{write_bps}\n")
     # the file fio reads is written whole first, so that the load's reads start at once
     subprocess.run(["fio", "--name=layout", "--rw=write", "--bs=1M", "--size=1G", "--direct=1",
                     f"--filename={readfile}"], check=True, capture_output=True)
