@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiermem.errors import BudgetError
+from tiermem.freelist import FreeList, plan_moves
 from tiermem.io import buffers
 from tiermem.io.buffers import CUDA_HOST_REGISTER_PORTABLE, HUGE_PAGE, AlignedBuffer, HostBufferPool
 from tiermem.swap import room_needed
@@ -112,6 +113,69 @@ def test_pool_never_exceeds_budget_and_merges_on_free(ops: list[tuple[bool, int]
         assert pool.used == 0
         assert pool._free["main"].holes == [(0, pool.nbytes)]
         assert pool.alloc(pool.nbytes).nbytes == pool.nbytes
+
+
+def test_alloc_at_takes_only_a_free_range() -> None:
+    """alloc_at hands out the piece at the offset asked for when that range is free, else None."""
+    with HostBufferPool(1 << 20) as pool:
+        low = pool.alloc(256 << 10)
+        assert pool.alloc_at(128 << 10, 4096) is None  # inside `low`
+        piece = pool.alloc_at(512 << 10, 8192)
+        assert piece is not None and piece.offset == 512 << 10 and pool.used == (256 << 10) + 8192
+        assert pool.holes() == [(256 << 10, 256 << 10), ((512 << 10) + 8192, (512 << 10) - 8192)]
+        assert pool.alloc_at((1 << 20) - 4096, 8192) is None  # runs past the end
+        piece.release()
+        low.release()
+        assert pool.holes() == [(0, 1 << 20)]
+
+
+def _layout(draw: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+    """A space of consecutive ranges, each free, movable or held: (holes, movable, held), in 4 KiB units."""
+    kinds = draw(st.lists(st.tuples(st.sampled_from("fmh"), st.integers(1, 12)), min_size=1, max_size=24))
+    free = FreeList()
+    movable, held, at = [], [], 0
+    for kind, n in kinds:
+        if kind == "f":
+            free.give(at, n)
+        else:
+            (movable if kind == "m" else held).append((at, n))
+        at += n
+    return free.holes, movable, held
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_plan_moves_frees_one_range_by_moving_only_movable_pieces_into_holes(data: st.DataObject) -> None:
+    """Applying plan_moves' moves leaves a free range of the size asked for; each piece moved is movable and
+    lands in a hole; nothing overlaps. A plan is found whenever the holes alone hold the size in one piece."""
+    holes, movable, held = _layout(data.draw)
+    size = data.draw(st.integers(1, 40))
+    plan = plan_moves(holes, movable, size)
+    if max((n for _, n in holes), default=0) >= size:
+        assert plan is not None
+    if plan is None:
+        return
+    sizes = dict(movable)
+    free = FreeList()
+    for s, n in holes:
+        free.give(s, n)
+    assert len({src for src, _ in plan}) == len(plan)
+    for src, dest in plan:
+        assert src in sizes and free.take_at(dest, sizes[src])  # into a hole, not over anything
+    for src, _ in plan:
+        free.give(src, sizes[src])
+    assert free.largest() >= size
+    taken = sorted([(d, sizes[s]) for s, d in plan] + [m for m in movable if m[0] not in dict(plan)] + held)
+    assert all(a + n <= b for (a, n), (b, _) in zip(taken, taken[1:], strict=False))
+
+
+def test_plan_moves_gives_up_when_held_pieces_split_every_run() -> None:
+    """No run of free and movable ranges reaches the size: no plan, even though enough bytes are free."""
+    holes = [(0, 3), (4, 3), (8, 3)]
+    held = [(3, 1), (7, 1)]
+    assert sum(n for _, n in holes) >= 5 and len(held) == 2
+    assert plan_moves(holes, [], 5) is None
+    assert plan_moves(holes, [(11, 2)], 5) == [(11, 0)]  # (8..13) with the piece at 11 moved into 0..3
 
 
 def test_pinning_requires_cuda(caplog: pytest.LogCaptureFixture) -> None:

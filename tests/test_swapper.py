@@ -180,6 +180,30 @@ def test_cpu_home_partitions_count_against_the_budget(tmp_path) -> None:
             sw.add("h3", {"x": torch.zeros(MiB // 4)}, home="cpu")
 
 
+def test_scattered_host_homed_pieces_are_moved_to_make_room(tmp_path) -> None:
+    """Free bytes split between host-homed pieces are joined by moving an idle one, bit-exact, counted in
+    stats; a piece in use is never moved, and then the allocation fails naming the split."""
+    half = MiB // 2
+    data = torch.arange(3 * MiB // 4, dtype=torch.float32)
+    with _swapper(tmp_path, **{"memory.host_budget": "4MiB"}) as sw:
+        homed = {n: sw.add(n, {"x": torch.full((half // 4,), float(i))}, home="cpu") for i, n in enumerate("abcd")}
+        sw.discard(homed["b"])
+        sw.discard(homed["d"])  # 3 MiB free: 0.5 between a and c at the top, 2.5 below c
+        sw.acquire(homed["c"], Tier.HOST)  # in use: it stays where it is
+        with pytest.raises(BudgetError, match=r"'big'.*in pieces of at most 2.5 MiB"):
+            sw.add("big", {"x": data})
+        sw.release(homed["c"])
+        assert sw.stats().bytes_moved == 0
+        big = sw.add("big", {"x": data})
+        assert sw.stats().bytes_moved == half
+        sw.evict(big).wait()
+        assert torch.equal(sw.acquire(big, Tier.HOST)["x"], data)
+        sw.release(big)
+        for name, value in (("a", 0.0), ("c", 2.0)):
+            assert torch.equal(sw.acquire(homed[name], Tier.HOST)["x"], torch.full((half // 4,), value))
+            sw.release(homed[name])
+
+
 def test_device_budget_demotes_idle_partitions(tmp_path) -> None:
     """Prefetching beyond memory.device_budget demotes idle device partitions; the ledger stays within it."""
     with _swapper(tmp_path, **{"memory.device_budget": "2MiB"}) as sw:

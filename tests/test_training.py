@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -745,3 +746,44 @@ def test_exit_gives_the_accumulators_back_before_the_parameters(tmp_path, monkey
     assert seen == [False]
     for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_accumulators_scattered_through_the_host_pool_are_moved_for_a_large_units_update(tmp_path) -> None:
+    """GPT-2 whose embedding's optimizer state is the largest piece, with host-homed accumulators taking
+    most of the pool: they end up scattered between the pieces read during backward, and the embedding's
+    lazy update found 19 MiB free in no piece of its 8 MiB (a BudgetError). Moving idle accumulators joins
+    the free bytes; training with clipping stays bit-identical to PyTorch."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=256, n_head=4, vocab_size=4096, n_positions=32,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 4096, (2, 32), generator=g) for _ in range(4)]
+    results = []
+    for offloaded in (False, True):
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        offload = cfg(tmp_path, **{"memory.host_budget": "42MiB", "activations.tier": "nvme",
+                                   "activations.buffer": "1MiB", "wrap.min_unit_bytes": "1MiB"})
+        with tiered_offload(model, optimizer=opt, **offload) if offloaded else nullcontext() as tm:
+            step_opt = tm.optimizer if tm is not None else opt
+            losses = []
+            for ids in data:
+                step_opt.zero_grad()
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                if tm is not None:
+                    tm.clip_grad_norm_(1.0)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                step_opt.step()
+                losses.append(float(loss.detach()))
+            if tm is not None:
+                assert tm.stats()["bytes_moved"] > 0  # the case this pins did come up
+        results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert results[0][0] == results[1][0]
+    for name, value in results[0][1].items():
+        assert torch.equal(results[1][1][name], value), name

@@ -127,7 +127,8 @@ class OffloadHandle:
         ``prefetch_misses``, ``schedule_misses`` (acquisitions that were not the unit the recorded order
         predicted), ``retraces`` (times the execution order was recorded again), ``passes``
         (top-level forwards), ``units`` (how many), ``largest_unit_bytes`` and ``resident_bytes`` (units kept in
-        host memory between passes, see ``prefetch.keep_resident``), ``evictions`` and ``device_budget`` (the cap
+        host memory between passes, see ``prefetch.keep_resident``), ``evictions``, ``bytes_moved`` (copied within
+        the host pool to join free pieces a partition needed in one) and ``device_budget`` (the cap
         on the device's working set: memory.device_budget, or the one derived from the prefetch settings when
         that is null; None on a device whose memory is the host's). With ``activations.tier: nvme`` also
         ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_stall_seconds``,
@@ -160,6 +161,7 @@ class OffloadHandle:
             "largest_unit_bytes": max((u.nbytes for u in rt.units), default=0),
             "resident_bytes": rt.resident_bytes,
             "evictions": s.evictions,
+            "bytes_moved": s.bytes_moved,
             "device_budget": self.swapper.device_cap,
             **act,
             **(rt.kv.stats() if rt.kv is not None else {}),

@@ -288,6 +288,21 @@ class HostBufferPool:
             "memory.host_budget, or use smaller units (wrap.classes) so that each partition needs less"
         )
 
+    def alloc_at(self, offset: int, nbytes: int, arena: str = "main") -> PoolBuffer | None:
+        """The piece of at least `nbytes` at `offset` of the pool, if that range of `arena` is free; else None."""
+        size = align_up(max(nbytes, 1))
+        with self._lock:
+            if not self._free[arena].take_at(offset, size):
+                return None
+            self.used += size
+            self.peak = max(self.peak, self.used)
+            return PoolBuffer(self, offset, size, arena)
+
+    def holes(self, arena: str = "main") -> list[tuple[int, int]]:
+        """The free (offset, size) ranges of `arena`, in order."""
+        with self._lock:
+            return list(self._free[arena].holes)
+
     def largest_free(self, arena: str = "main") -> int:
         """The largest piece `alloc` could hand out from `arena` now."""
         with self._lock:

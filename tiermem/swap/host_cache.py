@@ -13,6 +13,21 @@ and not used yet only after the others, those kept resident last of all. A clean
 one is dropped at once, a dirty one written back first. A partition larger than the whole budget, or a
 budget full of partitions in use, raises BudgetError naming them.
 
+# [Note: host pool compaction]
+The pieces homed on the host (gradient accumulators with grads.tier cpu, partitions of params.tier cpu)
+are never evicted, and they come and go at their own pace: accumulators are allocated during backward,
+between the parameters being read then, and given back one unit at a time as the next forward applies
+the lazy update. So they end up scattered, and a large unit's optimizer state can find the free bytes it
+needs only in pieces between them (GPT-2's embedding: 49 MiB of state, 131 MiB free in pieces of at most
+27 MiB between 349 MiB of accumulators in a 480 MiB pool). When a fetch that must wait finds no piece
+large enough while enough bytes are free, it moves idle pieces instead of failing: `plan_moves`
+(tiermem/freelist.py) picks the run of free and idle pieces, side by side, that frees the size by moving
+the fewest bytes into holes outside it, and each piece's bytes are copied there (`Partition.move_host`). An
+idle piece is one with no user, no transfer and no device copy over its host buffer, so nothing points
+into the bytes that move. A copy in memory costs a fraction of the read that evicting a partition and
+reading it back would, so it is tried before each eviction; read-aheads (which must not wait) never move
+anything. `stats()` counts the bytes moved.
+
 # [Note: swapper locking]
 One re-entrant lock (the swapper's) guards all partition states, the pool and the ledger. Completions of
 NVMe transfers arrive on the engine's thread and take the same lock to advance the partition's host state;
@@ -45,7 +60,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tiermem.config import Config
-from tiermem.errors import BudgetError, CorruptDataError, StoreError
+from tiermem.errors import BudgetError, CorruptDataError, StateError, StoreError
+from tiermem.freelist import plan_moves
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.backends import create_engine
 from tiermem.io.bandwidth import path_weights
@@ -107,6 +123,7 @@ class HostCache:
         self.bytes_read = 0  # counters for TensorSwapper.stats(), since its last reset
         self.bytes_written = 0
         self.evictions = 0
+        self.bytes_moved = 0  # copied within the pool to join free pieces ([Note: host pool compaction])
         self.tracer: Tracer | None = None  # records each read and write (see [Note: traces])
         # Optional: how soon a partition is needed again (larger = later). With it, eviction drops the
         # partition needed last; without it, the least recently used.
@@ -367,6 +384,8 @@ class HostCache:
                     return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.resident, arena=arena)
                 except BudgetError:
                     pass
+                if wait and self._compact(part.size, arena):
+                    continue
                 victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
                                   and p.host is not None and p.host.arena == arena
                                   and p.host_state is HostState.READY and p.device_state is not DeviceState.COPYING
@@ -392,6 +411,30 @@ class HostCache:
                 wait_for.wait()  # without the lock: the completion needs it
             except Exception as exc:  # a failed write-back keeps its data; report it to this caller
                 raise StoreError(f"could not free host memory for partition {part.name!r}: {exc}") from exc
+
+    def _compact(self, size: int, arena: str) -> bool:
+        """Move idle pieces of `arena` so that `size` bytes are free in one piece, if enough are free and a way
+        is found; whether it did (lock held). See [Note: host pool compaction]."""
+        holes = self.pool.holes(arena)
+        if sum(n for _, n in holes) < align_up(size):
+            return False
+        idle = {p.host.offset: (p, p.host) for p in self.partitions.values()
+                if p.host is not None and p.host.arena == arena == p.arena and p.host_state is HostState.READY
+                and p.pending is None and not p.users and not p.waiters
+                and (p.device_state is DeviceState.NONE or (p.device_state is DeviceState.READY
+                                                             and p.device_data is not None))}
+        plan = plan_moves(holes, [(off, held.nbytes) for off, (_, held) in idle.items()], align_up(size))
+        if not plan:  # None: no way found; []: a piece fits already, so nothing here can help
+            return False
+        for src, dest in plan:
+            part, held = idle[src]
+            buf = self.pool.alloc_at(dest, held.nbytes, arena)
+            if buf is None:  # the plan's holes are the pool's own, taken under the lock: cannot happen
+                raise StateError(f"host pool compaction: {format_size(held.nbytes)} at offset {dest} is not free")
+            self.pool.free(part.move_host(buf))
+            self.bytes_moved += buf.nbytes
+        log.debug("host pool: moved %d pieces to free %s in one piece", len(plan), format_size(size))
+        return True
 
     def _no_room(self, part: Partition, arena: str) -> BudgetError:
         held = [p for p in self.partitions.values() if p.host is not None and p.host.arena == arena]

@@ -125,6 +125,19 @@ class Partition:
         self.host_state = HostState.NONE
         self._views.pop("host", None)
 
+    def move_host(self, buf: PoolBuffer) -> PoolBuffer:
+        """Hand the host bytes over to `buf` (copied) and return the old buffer, for the caller to free: the
+        pool's compaction. Only an idle host copy moves: no transfer, no user, no device copy over it."""
+        if (self.host is None or self.host_state is not HostState.READY or self.pending is not None or self.users
+                or self.waiters or (self.device_state is not DeviceState.NONE and self.device_data is None)
+                or self.device_state is DeviceState.COPYING):
+            raise StateError(f"partition {self.name!r} is {self.state.value} with users or transfers; it cannot move")
+        old = self.host
+        buf.numpy()[: old.nbytes] = old.numpy()
+        self.host = buf
+        self._views.pop("host", None)
+        return old
+
     def mark_dirty(self, end: int | None = None) -> None:
         """The host copy changed in its first `end` bytes (default: anywhere); only NVMe partitions have a
         copy to get out of date. A write-back then writes those bytes, 4 KiB-aligned, not the whole."""

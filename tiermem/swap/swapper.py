@@ -58,6 +58,7 @@ class SwapStats:
     bytes_written: int
     evictions: int
     partitions: int
+    bytes_moved: int = 0  # copied within the host pool to join free pieces ([Note: host pool compaction])
 
 
 class _DeviceFetch(IOFuture):
@@ -614,12 +615,12 @@ class TensorSwapper:
             snap.now["nvme"] = store.used if store else 0
             snap.peak["nvme"] = store.peak if store else 0
             c = self.cache
-            return SwapStats(snap, c.bytes_read, c.bytes_written, c.evictions, len(self.partitions))
+            return SwapStats(snap, c.bytes_read, c.bytes_written, c.evictions, len(self.partitions), c.bytes_moved)
 
     def reset_stats(self) -> None:
         with self._lock:
             self.ledger.reset_peaks()
-            self.cache.bytes_read = self.cache.bytes_written = self.cache.evictions = 0
+            self.cache.bytes_read = self.cache.bytes_written = self.cache.evictions = self.cache.bytes_moved = 0
             store = self.cache.store_if_open
             if store is not None:
                 store.peak = store.used
