@@ -86,6 +86,27 @@ def test_training_with_activations_on_nvme_equals_pytorch(tmp_path, extra: dict[
     assert st["activations_peak_host_bytes"] <= (4 << 20 if extra.get("activations.buffer") else 512 << 10)
 
 
+def test_keep_holds_the_newest_of_each_forward_in_memory_and_sends_the_rest(tmp_path) -> None:
+    """activations.keep: the first forward sends everything; each later one sends the previous forward's total
+    less `keep`, oldest first, and keeps the newest in memory. Training stays bit-exact."""
+    batches = data(10)
+    ref = wide()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), batches)
+    model = wide()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        **cfg(tmp_path, **{"activations.keep": "256KiB"})) as tm:
+        assert tm.config.activations.keep == 256 << 10
+        losses = train(model, tm.optimizer, batches)
+        st = tm.stats()
+    assert losses == ref_losses
+    assert_same(ref, model)
+    big, first = 64 * 512 * 4, 64 * 64 * 4  # the four 128 KiB storages, after the 16 KiB input
+    # later forwards: the input and two storages (272 KiB) reach 528 - 256 KiB sent; the two newest stay
+    assert st["activations_saved_bytes"] == (4 * big + first) + 9 * (2 * big + first)
+    assert st["activations_in_memory_bytes"] == 9 * 2 * big
+    assert st["activations_kept_bytes"] == 0
+
+
 def test_slow_writes_keep_backward_inside_the_buffer(tmp_path, monkeypatch) -> None:
     """A slow disk: every write reports done 20 ms after the kernel finished it, its buffer pinned till then. The
     writes still in flight when backward starts pin their slots, whether autograd still holds their records or

@@ -631,28 +631,35 @@ def test_grads_auto_spills_to_nvme_only_when_they_do_not_fit(tmp_path, caplog, b
                 pass
 
 
-@pytest.mark.parametrize("available,tier", [(1 << 40, "memory"), (12 << 20, "nvme")])
-def test_activations_auto_goes_to_nvme_only_when_host_memory_beside_the_budget_is_short(
-        tmp_path, monkeypatch, available: int, tier: str) -> None:
-    """activations.tier auto (the default) keeps saved activations in memory when the host memory left beside
-    memory.host_budget holds the parameters' size, else sends them to NVMe, where they really go; the plan
-    says which and why, and training is exact either way."""
+@pytest.mark.parametrize("available,budget,tier,keep", [
+    (1 << 40, "12MiB", "memory", 0),  # plenty beside the budget, and the parameters fit a quarter of it
+    (12 << 20, "12MiB", "nvme", 0),  # the host is short beside the budget: nothing stays in memory
+    (1 << 40, "2MiB", "nvme", 512 << 10),  # the parameters are over a quarter of the budget: that quarter stays
+])
+def test_activations_auto_goes_to_nvme_when_a_step_would_hold_too_much_beside_the_budget(
+        tmp_path, monkeypatch, available: int, budget: str, tier: str, keep: int) -> None:
+    """activations.tier auto (the default) keeps saved activations in memory when the parameters' size fits both
+    a quarter of memory.host_budget and the host memory left beside it, else sends them to NVMe, keeping the
+    newest quarter of the budget in memory where the host has room; they really go, the plan says which and
+    why, and training is exact either way."""
     import tiermem.offload
 
     monkeypatch.setattr(tiermem.offload, "_host_memory_available", lambda: available)
-    settings = {**cfg(tmp_path), "memory.host_budget": "12MiB", "activations.buffer": "1MiB",
+    settings = {**cfg(tmp_path), "memory.host_budget": budget, "activations.buffer": "256KiB",
                 "activations.min_bytes": 1}
-    assert "activations.tier" not in settings  # the default
-    seen: list[tuple[str, str, int]] = []
+    assert "activations.tier" not in settings and "activations.keep" not in settings  # the defaults
+    seen: list[tuple[str, int | None, str, dict[str, Any]]] = []
 
     def check(tm: Any) -> None:
-        act = tm.plan["activations"]
-        seen.append((act["tier"], tm.plan_summary(), tm.stats().get("activations_saved_bytes", 0)))
+        seen.append((tm.plan["activations"]["tier"], tm.config.activations.keep, tm.plan_summary(), tm.stats()))
 
-    models.gpt2_training_matches(settings, width=64, vocab=500, shape=(2, 8), steps=2, check=check)
-    (chosen, line, saved), = seen
+    models.gpt2_training_matches(settings, width=64, vocab=500, shape=(2, 8), steps=3, check=check)
+    (chosen, kept, line, stats), = seen
     assert chosen == tier and f"activations in {tier} (auto: " in line, line
-    assert (saved > 0) == (tier == "nvme")
+    assert (stats.get("activations_saved_bytes", 0) > 0) == (tier == "nvme")
+    if tier == "nvme":
+        assert kept == keep
+        assert (stats["activations_in_memory_bytes"] > 0) == (keep > 0)
 
 
 @pytest.mark.parametrize("tier", ["memory", "nvme"])

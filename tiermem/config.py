@@ -342,8 +342,15 @@ class ActivationsConfig:
     tier: str = "auto"
     """Where saved activations wait for backward: ``memory`` (where autograd keeps them), ``nvme`` (written
     to swap as forward makes them, read back ahead of backward's use, newest first), or ``auto``: entry
-    picks ``nvme`` when training with another tier on NVMe and the host memory left beside
-    memory.host_budget is less than the parameters' size, else ``memory`` (see docs/config.md)."""
+    picks ``nvme`` when training with another tier on NVMe and a step's activations, taken as the
+    parameters' size, would be more than a quarter of memory.host_budget or than the host memory left
+    beside it; else ``memory`` (see docs/config.md)."""
+
+    keep: int | None = field(default=None, metadata=_BYTES)
+    """With ``tier: nvme``: bytes of each forward's saved activations that stay in memory, outside the host
+    budget: the newest ones (backward needs them first), sized from the forward before; the rest go to
+    NVMe. Null (the default): none when ``tier`` is ``nvme`` as set, a quarter of memory.host_budget when
+    ``auto`` picked ``nvme``, so a step holds at most that much beside the budget."""
 
     min_bytes: int = field(default=256 * 1024, metadata=_BYTES)
     """Saved tensors whose storage is smaller than this stay in memory (with ``tier: nvme``), as do views of
@@ -357,6 +364,7 @@ class ActivationsConfig:
         self.tier = _choice("activations.tier", self.tier, ACTIVATION_TIERS)
         self.min_bytes = _size("activations.min_bytes", self.min_bytes, minimum=1)
         self.buffer = _size("activations.buffer", self.buffer, minimum=IO_ALIGN, align=IO_ALIGN)
+        self.keep = _optional_size("activations.keep", self.keep)
 
     @property
     def host_bytes(self) -> int:

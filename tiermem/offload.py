@@ -131,8 +131,9 @@ class OffloadHandle:
         the host pool to join free pieces a partition needed in one) and ``device_budget`` (the cap
         on the device's working set: memory.device_budget, or the one derived from the prefetch settings when
         that is null; None on a device whose memory is the host's). With ``activations.tier: nvme`` also
-        ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_stall_seconds``,
-        ``activations_peak_host_bytes``, ``activations_bytes_written`` and ``activations_bytes_read``. The
+        ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_in_memory_bytes`` (kept there by
+        activations.keep), ``activations_stall_seconds``, ``activations_peak_host_bytes``,
+        ``activations_bytes_written`` and ``activations_bytes_read``. The
         activations live in the same host cache as the parameters, so their bytes are also in ``bytes_read``,
         ``bytes_written`` and the ``host`` entries (``peak_bytes['host']`` is at most the host budget). With
         several ranks (zero otherwise): ``gathered_bytes`` (received by all-gathers), ``gather_wait_seconds``
@@ -444,19 +445,23 @@ def _apply_recorded_updates(handle: OffloadHandle) -> Exception | None:
 # [Note: activations auto]
 # `activations.tier: auto` (the default) is settled at entry, before the host pool is made (with nvme,
 # activations.buffer is carved out of it), into `memory` or `nvme`, and the config then says which; the
-# plan line gives the reason. Saved activations go to NVMe only when all of these hold:
+# plan line gives the reason. Saved activations kept in memory are autograd's, outside memory.host_budget,
+# so they are what a step holds beyond it; the estimate of a step's, made before any batch is seen, is the
+# parameters' bytes in the compute dtype (a transformer's reach its parameters' size at a few hundred
+# tokens per step: GPT-2 small saves 0.29 GB at 2 x 128 tokens, for 0.5 GB of fp32 weights). They go to
+# NVMe only when all of these hold:
 # - there is an optimizer (a training step saves activations; without one, nvme would only take
 #   activations.buffer from the host budget);
 # - another tier is already on NVMe (a config that uses none gets no swap files for activations);
 # - activations.buffer is at most a quarter of memory.host_budget (the rest stays for the partitions);
-# - the host memory left beside the host budget (`_host_memory_available` less memory.host_budget) is
-#   less than the parameters' bytes in the compute dtype. That is the estimate of what a step's saved
-#   activations hold, made before any batch is seen: a transformer's reach its parameters' size at a few
-#   hundred tokens per step (GPT-2 small: 0.29 GB at 2 x 128 tokens, 0.5 GB of fp32 weights), and
-#   training steps take thousands. Below it, activations kept in memory would push the process past what
-#   the machine or its cgroup gives it; at or above it, memory is kept, the faster place.
+# - the estimate is more than a quarter of memory.host_budget, or than the host memory left beside the
+#   budget (`_host_memory_available` less memory.host_budget): kept in memory, they would take the process
+#   well past the budget the user set, or past what the machine or its cgroup gives it.
+# Picking nvme, auto also sets activations.keep (unless set) to a quarter of the budget, where the machine
+# has twice that beside the budget, else 0: the newest activations, which backward needs first, stay in
+# memory up to that, so a step holds at most the budget and a quarter, and reads and writes only the rest.
 # With several ranks the choice is one for all (their configs must be the same): nvme if any rank's
-# memory calls for it. An explicit `memory` or `nvme` is kept as set.
+# memory calls for it, keeping the least any rank keeps. An explicit `memory` or `nvme` is kept as set.
 
 
 def choose_path_weights(cfg: Config) -> tuple[Config, str]:
@@ -493,39 +498,49 @@ def _host_memory_available() -> int | None:
 
 def _choose_activations_tier(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                              ranks: Ranks) -> tuple[Config, str]:
-    """`cfg` with activations.tier settled, and why (see [Note: activations auto])."""
+    """`cfg` with activations.tier (and, when auto picks nvme, activations.keep) settled, and why (see
+    [Note: activations auto])."""
     if cfg.activations.tier != "auto":
         return cfg, "activations.tier"
-    nvme, why = _activations_auto(cfg, model, optimizer)
+    nvme, keep, why = _activations_auto(cfg, model, optimizer)
     if ranks.sharded:
-        anyone = bool(ranks.all_reduce(torch.tensor([float(nvme)]), "max")[0])
+        anyone, least = ranks.all_reduce(torch.tensor([float(nvme), float(-keep)]), "max").tolist()
         if anyone and not nvme:
             why = "auto: another rank's host memory cannot hold a step's activations"
-        nvme = anyone
-    return load_config(cfg, **{"activations.tier": "nvme" if nvme else "memory"}), why
+        nvme, keep = bool(anyone), int(-least)  # one choice for all, and the least any rank keeps
+    settled: dict[str, Any] = {"activations.tier": "nvme" if nvme else "memory"}
+    if nvme and cfg.activations.keep is None:
+        settled["activations.keep"] = keep
+    return load_config(cfg, **settled), why
 
 
-def _activations_auto(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[bool, str]:
-    """Whether `auto` sends saved activations to NVMe on this rank, and why."""
+def _activations_auto(cfg: Config, model: nn.Module,
+                      optimizer: torch.optim.Optimizer | None) -> tuple[bool, int, str]:
+    """Whether `auto` sends saved activations to NVMe on this rank, the bytes of each forward's it keeps in
+    memory then, and why."""
     budget, buffer = cfg.memory.host_budget, cfg.activations.buffer
     if optimizer is None:
-        return False, "auto: no optimizer, no training step"
+        return False, 0, "auto: no optimizer, no training step"
     if "nvme" not in (cfg.params.tier, cfg.optimizer.tier, cfg.grads.tier):
-        return False, "auto: no other tier is on nvme"
+        return False, 0, "auto: no other tier is on nvme"
     if 4 * buffer > budget:
-        return False, (f"auto: activations.buffer ({format_size(buffer)}) is more than a quarter of "
-                       f"memory.host_budget ({format_size(budget)})")
-    available = _host_memory_available()
-    if available is None:
-        return False, "auto: this host's free memory cannot be read"
+        return False, 0, (f"auto: activations.buffer ({format_size(buffer)}) is more than a quarter of "
+                          f"memory.host_budget ({format_size(budget)})")
     override = dtype_of(cfg.params.dtype)
     need = sum(p.numel() * (override or p.dtype).itemsize for p in model.parameters())
-    left = available - budget
-    if left >= need:
-        return False, (f"auto: {format_size(left)} of host memory beside the budget holds a step's activations, "
-                       f"taken as the parameters' {format_size(need)}")
-    return True, (f"auto: {format_size(max(left, 0))} of host memory beside the budget is less than a step's "
-                  f"activations, taken as the parameters' {format_size(need)}")
+    available = _host_memory_available()
+    left = available - budget if available is not None else None
+    share = budget // 4
+    taken = f"a step's activations, taken as the parameters' {format_size(need)}"
+    if left is not None and left < need:
+        keep = share if left >= 2 * share else 0
+        return True, keep, (f"auto: {format_size(max(left, 0))} of host memory beside the budget is less than "
+                            f"{taken}; {format_size(keep)} of each forward's stay in memory")
+    if need > share:
+        return True, share, (f"auto: {taken}, are more than a quarter of memory.host_budget "
+                             f"({format_size(share)}), which is what stays in memory beside the budget; set "
+                             "activations.tier: memory to keep them all there")
+    return False, 0, f"auto: {taken}, fit in a quarter of memory.host_budget beside it"
 
 
 def _rank_paths(cfg: Config, ranks: Ranks) -> Config:

@@ -32,6 +32,11 @@ let go of every handle and every tensor built over it.
 Objects autograd frees may be freed on another thread; their finalizers only append to a list, which the
 compute thread drains at the next pack, unpack or `settle()`.
 
+With ``activations.keep`` the newest of each forward's saved tensors stay in memory, about that many
+bytes: pack sends tensors to NVMe until it has sent the previous forward's total less `keep` (all of
+them in the first forward), and keeps the rest, which backward then finds without a read. Kept that
+way they are counted as ``activations_in_memory_bytes``.
+
 When a record cannot be had (a single tensor larger than ``activations.buffer``, a host cache full of
 memory in use, a full disk) the tensor is kept in memory as autograd would keep it, and counted as
 ``activations_kept_bytes``; nothing fails for want of room.
@@ -116,10 +121,16 @@ class _SavedActivation:
 class ActivationStore:
     """Moves saved activations to the swap store and back through the swapper; one per `tiered_offload`."""
 
-    def __init__(self, swapper: TensorSwapper, buffer_bytes: int, min_bytes: int) -> None:
+    def __init__(self, swapper: TensorSwapper, buffer_bytes: int, min_bytes: int, keep_bytes: int = 0) -> None:
         self.swapper = swapper
         self.quota = buffer_bytes  # activations.buffer: the most host memory activations hold at once
         self.min_bytes = min_bytes
+        self.keep_bytes = keep_bytes  # activations.keep: the newest bytes of a forward's that stay in memory
+        self._pass_total = 0  # bytes this forward packed (sent, kept or shared), to size the next one's split
+        self._pass_sent = 0  # bytes this forward sent toward NVMe
+        self._last_total: int | None = None  # _pass_total of the last forward that saved anything
+        self.memory_bytes = 0  # saved tensors kept in memory by activations.keep
+        self._kept: set[int] = set()  # storage addresses this forward kept in memory by activations.keep
         self.read_ahead_bytes = buffer_bytes // 2
         self._returned: list[_Record] = []  # holds whose tensors autograd freed, to release
         self._gone: list[_Record] = []  # handles autograd freed, to count down
@@ -143,6 +154,10 @@ class ActivationStore:
         """A new top-level forward: records of earlier passes that are still alive stay valid, but
         read-ahead and sharing look only at this pass's."""
         self._drain()
+        if self._pass_total:
+            self._last_total = self._pass_total
+        self._pass_total = self._pass_sent = 0
+        self._kept.clear()
         self._pending = [r for r in self._pending if r.part is not None]
         self._ahead = 1 << 62
         self._by_ptr.clear()
@@ -163,6 +178,14 @@ class ActivationStore:
             alive = rec.source() if rec.source is not None else None
             if alive is not None and alive.untyped_storage().data_ptr() == ptr:
                 return _SavedActivation(self, rec, t)
+        if ptr in self._kept:  # a storage this forward kept in memory, saved again: counted once
+            return t
+        self._pass_total += nbytes
+        last = self._last_total  # None in the first forward, which sends everything: its total is not known yet
+        if self.keep_bytes and last is not None and self._pass_sent >= last - self.keep_bytes:
+            self._kept.add(ptr)
+            self.memory_bytes += nbytes
+            return t
         if align_up(nbytes) > self.quota:
             self._keep(nbytes, "it is larger than activations.buffer")
             return t
@@ -197,6 +220,7 @@ class ActivationStore:
         self._records.append(rec)
         self._pending.append(rec)
         self.saved_bytes += nbytes
+        self._pass_sent += nbytes
         self.peak_host = max(self.peak_host, self.host_bytes())
         return _SavedActivation(self, rec, t)
 
@@ -358,11 +382,12 @@ class ActivationStore:
 
     def stats(self) -> dict[str, Any]:
         return {"activations_saved_bytes": self.saved_bytes, "activations_kept_bytes": self.kept_bytes,
+                "activations_in_memory_bytes": self.memory_bytes,
                 "activations_stall_seconds": self.stall_seconds, "activations_peak_host_bytes": self.peak_host,
                 "activations_bytes_written": self.bytes_written, "activations_bytes_read": self.bytes_read}
 
     def reset_stats(self) -> None:
-        self.saved_bytes = self.kept_bytes = self.bytes_written = self.bytes_read = 0
+        self.saved_bytes = self.kept_bytes = self.memory_bytes = self.bytes_written = self.bytes_read = 0
         self.stall_seconds = 0.0
         self.peak_host = self.host_bytes()
 

@@ -147,7 +147,7 @@ class Runtime:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         act = self.swapper.config.activations
         if act.tier == "nvme":
-            self.activations = ActivationStore(self.swapper, act.buffer, act.min_bytes)
+            self.activations = ActivationStore(self.swapper, act.buffer, act.min_bytes, act.keep or 0)
         if self.swapper.config.kv.tier != "memory":  # see [Note: tiered KV cache] in kv_cache.py
             from tiermem.runtime.kv_cache import KVStore  # transformers' cache layers: imported only for it
 
