@@ -320,6 +320,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
             busy0, io0 = cpu_busy_seconds(), proc_io()
             c0, t0 = time.process_time(), time.perf_counter()
             loss = torch.zeros(())
+            norm = None  # the gradients' norm clip_grad_norm_ returned (not DeepSpeed's, which clips inside)
             if engine is None:
                 opt.zero_grad()
                 for ids in micro:
@@ -328,9 +329,9 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
                     loss += part.detach()
                 if clip is not None:
                     if tm is not None:
-                        tm.clip_grad_norm_(clip)
+                        norm = tm.clip_grad_norm_(clip)
                     else:
-                        torch.nn.utils.clip_grad_norm_(params, clip)
+                        norm = torch.nn.utils.clip_grad_norm_(params, clip)
                 t1 = time.perf_counter()
                 opt.step()
             else:
@@ -349,6 +350,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 "other_cpu_seconds": other_cpu_seconds(busy0, busy2, c2 - c0),
                 "disk_read_bytes": io2[0] - io0[0] if io0 and io2 else None,
                 "disk_write_bytes": io2[1] - io0[1] if io0 and io2 else None,
+                "grad_norm": float(norm) if norm is not None else None,  # before clipping
             }
             if tm is not None:
                 st = tm.stats()
@@ -648,6 +650,18 @@ def _gb(x: float | None) -> str:
     return "-" if x is None else f"{x / GB:.2f}"
 
 
+def clip_activity(runs: list[dict[str, Any]], clip: float | None) -> str | None:
+    """How often clip_grad_norm_ scaled the gradients in (a)'s steps: what updating during backward as if
+    nothing clips, and redoing the update when it does (speculate and validate), would have had to redo."""
+    norms = [x["grad_norm"] for r in runs if r["variant"] == "plain" and "error" not in r
+             for x in r["samples"] if x.get("grad_norm") is not None]
+    if clip is None or not norms:
+        return None
+    above = sum(n > clip for n in norms)
+    return (f"clipping at {clip:g} scaled the gradients in {above} of (a)'s {len(norms)} steps, warm-up included "
+            f"(norms {min(norms):.3g} to {max(norms):.3g})")
+
+
 def print_header(system: dict[str, Any], versions: dict[str, str], model: dict[str, Any], args: Any) -> None:
     print_system_header("tiermem training offload vs DeepSpeed ZeRO-3", system, versions)
     print(f"  model: GPT2LMHeadModel(n_layer={args.layers}, n_embd={args.width}, n_head={args.heads}, "
@@ -923,6 +937,9 @@ def main(argv: list[str]) -> int:
     update = update_summary([r for r in update_runs if "error" not in r]) or None
     verdict = goals(summary, runs, bw_summary, args.host_budget_bytes, losses, update)
     print_tables(summary, verdict, bw_summary, losses, args.host_budget_bytes)
+    clipped = clip_activity(runs, args.clip)
+    if clipped:
+        print(f"\n{clipped}")
     if update:
         print(f"\nthe update alone ({update['turns']} turns in {update['processes']} processes, one a round, after "
               f"{args.update_warmup} untimed each): "

@@ -10,6 +10,9 @@ fused=True), each rank its own batches of 2 x 128 random tokens (seeded by rank)
 labels=ids).loss. Variants:
 
   ddp       torch.nn.parallel.DistributedDataParallel, everything in each rank's memory
+  ddp_io    ddp while fio moves --io-load GB/s (read,write) through the swap disk: the floor that tiermem's disk
+            traffic sets where that traffic takes the compute's CPU (bench/train_offload.py's (a/io));
+            not run unless named in --variants
   tiermem   tiermem.tiered_offload(model, optimizer=AdamW) on every rank: params/optimizer on NVMe
             (nvme.paths [--swap-dir/tiermem/rank{rank}]), grads.tier auto, optimizer.update lazy,
             activations.tier nvme with --activations-buffer, memory.host_budget --host-budget per rank
@@ -63,14 +66,15 @@ from _common import (  # bench/ is on sys.path when run as a script
     wait_for_quiet,
     write_json,
 )
-from train_offload import ADAMW, INPUT_SEED, build_model, deepspeed_config
+from train_offload import ADAMW, INPUT_SEED, build_model, deepspeed_config, fio_load, fio_stop
 
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/tiermem-ranks-bench"
-VARIANTS = ("ddp", "tiermem", "tiermem_one", "deepspeed")
+VARIANTS = ("ddp", "tiermem", "tiermem_one", "deepspeed", "ddp_io")
+DEFAULT_VARIANTS = VARIANTS[:4]
 LABELS = {"ddp": "PyTorch DDP, in memory", "tiermem": "tiermem, NVMe tiers", "tiermem_one": "tiermem, one rank",
-          "deepspeed": "DeepSpeed ZeRO-3 NVMe"}
+          "deepspeed": "DeepSpeed ZeRO-3 NVMe", "ddp_io": "DDP beside fio --io-load"}
 DS_GOAL = 0.5  # tiermem's step <= this x DeepSpeed's
 RSS_SLACK = 500 * 10**6  # a rank's peak RSS in the steps <= its host budget + this
 LAUNCH_TIMEOUT_S = 1800
@@ -90,6 +94,7 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank of one variant: build, step, measure; the figures go to spec['out']/rank{R}.json."""
     import torch
     import torch.distributed as dist
+    from transformers import GPT2LMHeadModel  # noqa: F401 - its modules (0.15 GB) are imports, not the model
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out: dict[str, Any] = {"variant": spec["variant"], "rank": rank, "world": world,
@@ -109,7 +114,7 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
         fwd: Any = engine
     else:
         dist.init_process_group("gloo")
-        if spec["variant"] == "ddp":
+        if spec["variant"] in ("ddp", "ddp_io"):
             fwd = torch.nn.parallel.DistributedDataParallel(model)
             opt = torch.optim.AdamW(params, **ADAMW)
         else:
@@ -186,8 +191,14 @@ def launch(spec: dict[str, Any], ranks: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            os.path.abspath(__file__), "_rank", spec_path]
     t0 = time.perf_counter()
+    load = fio_load(spec) if spec["variant"] == "ddp_io" else None  # beside every rank, for the whole launch
+    io_load = None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+        finally:
+            if load is not None:
+                io_load = fio_stop(load)
         results = []
         for r in range(ranks):
             path = os.path.join(folder, f"rank{r}.json")
@@ -201,7 +212,7 @@ def launch(spec: dict[str, Any], ranks: int) -> dict[str, Any]:
         if errors:
             return {"variant": spec["variant"], "error": "\n".join(errors)}
         return {"variant": spec["variant"], "ranks": results, "took_seconds": time.perf_counter() - t0,
-                "command": " ".join(["python3", *cmd[1:]])}
+                "command": " ".join(["python3", *cmd[1:]]), **({"io_load": io_load} if io_load else {})}
     except subprocess.TimeoutExpired:
         return {"variant": spec["variant"], "error": f"timed out after {LAUNCH_TIMEOUT_S} s"}
     finally:
@@ -229,16 +240,21 @@ def summarize(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict
         secs = [s for r in ok for s in step_seconds(r)]
         ranks = [x for r in ok for x in r["ranks"]]
         entry: dict[str, Any] = {
-            "processes": len(ok), "steps": len(secs), "seconds_mean": _mean(secs),
+            "processes": len(ok), "ranks_per_process": len(ok[0]["ranks"]), "steps": len(secs),
+            "seconds_mean": _mean(secs),
             "seconds_std": statistics.stdev(secs) if len(secs) > 1 else 0.0,
             "round_means": [_mean(step_seconds(r)) for r in ok],
             "steps_peak_rss_bytes_max": max((x["steps_peak_rss_bytes"] or 0) for x in ranks) or None,
-            # above the RSS right after the imports (torch, transformers, tiermem: 0.24 GB here)
+            # above the RSS right after the imports (torch, transformers' GPT-2, tiermem: 0.4 GB here)
             "steps_peak_above_imports_bytes_max": max((x["steps_peak_rss_bytes"] or 0) - x["rss_after_imports_bytes"]
                                                       for x in ranks),
             "setup_peak_rss_bytes_max": max(x["setup_peak_rss_bytes"] for x in ranks),
             "setup_seconds_mean": _mean([x["setup_seconds"] for x in ranks]),
         }
+        loads = [r["io_load"] for r in ok if "error" not in r.get("io_load", {"error": None})]
+        if loads:  # fio's GB per step: its rates times the step
+            entry["io_load_bytes_per_step"] = _mean([(x["read_gbps"] + x["write_gbps"]) * 1e9 for x in loads]) * \
+                entry["seconds_mean"]
         if v.startswith("tiermem"):
             timed = [s for x in ranks for s in x["samples"] if not s["warmup"]]
             for key in TRAFFIC:
@@ -293,10 +309,15 @@ def project(tm: dict[str, Any], bw: dict[str, Any] | None, ranks: int, upto: int
 
 def goals(summary: dict[str, dict[str, Any]], budget: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    tm, ds = summary.get("tiermem", {}), summary.get("deepspeed", {})
+    tm, ds, floor = summary.get("tiermem", {}), summary.get("deepspeed", {}), summary.get("ddp_io", {})
     if "seconds_mean" in tm and "seconds_mean" in ds:
         ratio = tm["seconds_mean"] / ds["seconds_mean"]
         out["vs_deepspeed"] = {"held": ratio <= DS_GOAL, "ratio": ratio, "goal": DS_GOAL}
+    if "seconds_mean" in tm and "seconds_mean" in floor:  # a measurement, not one of the issue's goals
+        out["vs_ddp_io"] = {"ratio": tm["seconds_mean"] / floor["seconds_mean"],
+                            "fio_bytes_per_step": floor.get("io_load_bytes_per_step"),
+                            "tiermem_bytes_per_step": tm["ranks_per_process"] * (tm["bytes_read_per_rank_mean"]
+                                                                                 + tm["bytes_written_per_rank_mean"])}
     if tm.get("steps_peak_rss_bytes_max"):
         limit = budget + RSS_SLACK
         out["rss"] = {"held": tm["steps_peak_rss_bytes_max"] <= limit, "peak": tm["steps_peak_rss_bytes_max"],
@@ -335,6 +356,10 @@ def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], lo
     for name, g in verdict.items():
         if name == "vs_deepspeed":
             print(f"goal tiermem <= {g['goal']} x DeepSpeed: {'held' if g['held'] else 'NOT held'} ({g['ratio']:.2f}x)")
+        elif name == "vs_ddp_io":
+            fio = g["fio_bytes_per_step"]
+            print(f"tiermem against DDP beside fio: {g['ratio']:.2f}x (fio {fio / 1e9 if fio else float('nan'):.2f} GB "
+                  f"per step, tiermem's ranks {g['tiermem_bytes_per_step'] / 1e9:.2f} GB per step)")
         else:
             what = "above the RSS after imports " if name == "rss_above_imports" else ""
             print(f"goal peak RSS per rank {what}<= host budget + 0.5 GB: {'held' if g['held'] else 'NOT held'} "
@@ -361,12 +386,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--activations-buffer", default="64MiB", help="tiermem's activations.buffer (default 64MiB)")
     p.add_argument("--swap-dir", default=os.path.join(DEFAULT_DIR, "swap"))
     p.add_argument("--io-size", default="1GiB", help="bytes per transfer of the bandwidth test (default 1GiB)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated subset of " + ",".join(VARIANTS) + " (default: all but ddp_io)")
+    p.add_argument("--io-load", default="0.3,0.25", metavar="READ,WRITE",
+                   help="GB/s fio reads and writes through the swap disk beside ddp_io's ranks (default 0.3,0.25: "
+                   "about tiermem's two ranks' bytes per step)")
     p.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait at most, before each launch, "
                    "for other processes to leave the CPUs idle (default 60; 0: do not wait)")
     p.add_argument("--json", metavar="OUT.json", default=None)
     args = p.parse_args(argv)
     args.heads = args.heads or max(1, args.width // 64)
+    try:
+        args.io_load_gbps = [float(g) for g in args.io_load.split(",")]
+        if len(args.io_load_gbps) != 2 or min(args.io_load_gbps) <= 0:
+            raise ValueError
+    except ValueError:
+        p.error(f"--io-load {args.io_load!r}: expected READ,WRITE in GB/s, both above 0, e.g. 0.3,0.25")
     try:
         args.host_budget_bytes = parse_size(args.host_budget, what="--host-budget")
     except ValueError as exc:
@@ -388,6 +423,7 @@ def main(argv: list[str]) -> int:
     print_system_header(f"train_ranks: {args.ranks} ranks", system, versions)
     base = {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": args.vocab, "seq": args.seq,
             "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "ds_swap_dir": ds_swap,
+            "io_load": args.io_load_gbps, "io_dir": os.path.join(args.swap_dir, "fio-load"),
             "tiermem": {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme",
                         "memory.host_budget": args.host_budget, "nvme.paths": [os.path.join(tm_swap, "rank{rank}")],
                         "io.engine": "io_uring", "activations.tier": "nvme",
@@ -413,6 +449,7 @@ def main(argv: list[str]) -> int:
             else:
                 print(f"[{rnd + 1}/{args.rounds}] {LABELS[v]}: " + " ".join(f"{x:.3f}" for x in step_seconds(run))
                       + f" s/step ({run['took_seconds']:.0f} s)", file=sys.stderr, flush=True)
+    shutil.rmtree(base["io_dir"], ignore_errors=True)  # ddp_io's fio files
     summary = summarize(runs, variants)
     verdict = goals(summary, args.host_budget_bytes)
     losses = compare_losses(runs)

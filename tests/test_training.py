@@ -660,6 +660,7 @@ def test_activations_auto_goes_to_nvme_when_a_step_would_hold_too_much_beside_th
     if tier == "nvme":
         assert kept == keep
         assert (stats["activations_in_memory_bytes"] > 0) == (keep > 0)
+        assert ("512 KiB of each forward's kept in memory" in line) == (keep > 0), line
 
 
 @pytest.mark.parametrize("tier", ["memory", "nvme"])

@@ -535,11 +535,10 @@ def _activations_auto(cfg: Config, model: nn.Module,
     if left is not None and left < need:
         keep = share if left >= 2 * share else 0
         return True, keep, (f"auto: {format_size(max(left, 0))} of host memory beside the budget is less than "
-                            f"{taken}; {format_size(keep)} of each forward's stay in memory")
+                            f"{taken}")
     if need > share:
         return True, share, (f"auto: {taken}, are more than a quarter of memory.host_budget "
-                             f"({format_size(share)}), which is what stays in memory beside the budget; set "
-                             "activations.tier: memory to keep them all there")
+                             f"({format_size(share)}); activations.tier: memory keeps them all in memory")
     return False, 0, f"auto: {taken}, fit in a quarter of memory.host_budget beside it"
 
 
@@ -572,6 +571,7 @@ def _plan(handle: OffloadHandle) -> dict[str, Any]:
         "params": {"bytes": sum(u.partition.size for u in units), "tier": cfg.params.tier,
                    "largest_unit_bytes": max((u.partition.size for u in units), default=0)},
         "activations": {"tier": cfg.activations.tier, "host_bytes": cfg.activations.host_bytes,
+                        "keep_bytes": (cfg.activations.keep or 0) if cfg.activations.tier == "nvme" else 0,
                         "why": handle.activations_why},
         "host_budget": handle.swapper.pool.nbytes,
     }
@@ -603,6 +603,8 @@ def _plan_text(plan: dict[str, Any]) -> str:
     extra = [act["why"]] if act.get("why", "activations.tier") != "activations.tier" else []
     if act["host_bytes"]:
         extra.append(f"{format_size(act['host_bytes'])} of the host budget")
+    if act.get("keep_bytes"):
+        extra.append(f"the newest {format_size(act['keep_bytes'])} of each forward's kept in memory")
     parts.append(f"activations in {act['tier']}" + (f" ({'; '.join(extra)})" if extra else ""))
     pool = f"host budget {format_size(plan['host_budget'])}"
     if "host_kept_bytes" in plan:
