@@ -25,8 +25,9 @@ large enough while enough bytes are free, it moves idle pieces instead of failin
 the fewest bytes into holes outside it, and each piece's bytes are copied there (`Partition.move_host`). An
 idle piece is one with no user, no transfer and no device copy over its host buffer, so nothing points
 into the bytes that move. A copy in memory costs a fraction of the read that evicting a partition and
-reading it back would, so it is tried before each eviction; read-aheads (which must not wait) never move
-anything. `stats()` counts the bytes moved.
+reading it back would, so it is tried before the first eviction, and once more when nothing is left to
+evict (planning takes milliseconds over thousands of pieces, so not before every eviction); read-aheads
+(which must not wait) never move anything. `stats()` counts the bytes moved.
 
 # [Note: swapper locking]
 One re-entrant lock (the swapper's) guards all partition states, the pool and the ledger. Completions of
@@ -378,14 +379,17 @@ class HostCache:
                     f"{self.arena_text(arena)}; raise it or split the model into smaller units"
                 )
             arena = "main"
+        compacted = False  # moving pieces is tried once before the evictions, and last of all
         while True:
             with self.lock:
                 try:
                     return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.resident, arena=arena)
                 except BudgetError:
                     pass
-                if wait and self._compact(part.size, arena):
-                    continue
+                if wait and not compacted:
+                    compacted = True
+                    if self._compact(part.size, arena):
+                        continue
                 victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
                                   and p.host is not None and p.host.arena == arena
                                   and p.host_state is HostState.READY and p.device_state is not DeviceState.COPYING
@@ -402,6 +406,8 @@ class HostCache:
                     wait_for = busy[0].pending  # type: ignore[assignment]
                 elif arena == "activations":
                     arena = "main"  # the overflow: see the docstring
+                    continue
+                elif wait and self._compact(part.size, arena):  # with nothing left to evict
                     continue
                 else:
                     raise self._no_room(part, arena)
