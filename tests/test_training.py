@@ -795,3 +795,36 @@ def test_accumulators_scattered_through_the_host_pool_are_moved_for_a_large_unit
     assert results[0][0] == results[1][0]
     for name, value in results[0][1].items():
         assert torch.equal(results[1][1][name], value), name
+
+
+def test_a_pending_updates_read_ahead_takes_its_state_first_and_nothing_past_it_without_room(tmp_path,
+                                                                                         monkeypatch) -> None:
+    """Reading ahead for units whose update is recorded: a unit's state is asked for before its parameters,
+    and when its partitions find no room, nothing of the units after it is read (those reads would take the
+    room its update waits for)."""
+    model = mlp()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), **cfg(tmp_path)) as tm:
+        x, y = batches(1)[0]
+        loss_fn(model, x, y).backward()
+        tm.optimizer.step()
+        rt, sw = tm.runtime, tm.swapper
+        window = [u.index for u in rt.units if tm.optimizer.pending_parts(u.index)][:3]
+        assert len(window) == 3
+        for j in window:  # as at the start of a forward: nothing of these is in host memory yet
+            for p in (rt.units[j].partition, tm.optimizer.by_unit[j].state):
+                sw.evict(p).wait()
+        asked: list[str] = []
+        full = {tm.optimizer.by_unit[window[1]].state.name}  # the second unit's state finds no room
+
+        def prefetch(part, tier):  # type: ignore[no-untyped-def]
+            asked.append(part.name)
+            return None if part.name in full else real(part, tier)
+
+        real = sw.prefetch
+        monkeypatch.setattr(sw, "prefetch", prefetch)
+        rt._prefetch(window)
+        first, second, third = (rt.units[j].partition.name for j in window)
+        states = [tm.optimizer.by_unit[j].state.name for j in window]
+        assert asked.index(states[0]) < asked.index(first)
+        assert states[1] in asked and third not in asked and states[2] not in asked
+        tm.optimizer.flush()

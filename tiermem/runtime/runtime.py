@@ -589,9 +589,14 @@ class Runtime:
             part = self.units[j].partition
             extra = self.optimizer.pending_parts(j) if self.optimizer is not None else []
             to = Tier.HOST if extra else tier  # its update comes first, on the host (see [Note: lazy update])
-            for p in (part, *extra):
+            # A unit's recorded update needs its state, gradients and parameters at once: its state is read
+            # first, and when any of them finds no room nothing past it is read, since those reads would take
+            # the room this update waits for (and be evicted by its reads before their use).
+            for p in (*reversed(extra), part):
                 if not self.swapper.is_on_the_way(p, to):
                     self.swapper.prefetch(p, to)
+            if extra and not all(self.swapper.is_on_the_way(p, Tier.HOST) for p in (*extra, part)):
+                break
             if to is Tier.DEVICE:
                 self._on_device.add(j)
         if self.schedule.resident and window:  # resident units fill window places: read past them
