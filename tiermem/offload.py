@@ -532,12 +532,12 @@ def _activations_auto(cfg: Config, model: nn.Module,
     left = available - budget if available is not None else None
     share = budget // 4
     taken = f"a step's activations, taken as the parameters' {format_size(need)}"
+    keep = share if left is None or left >= 2 * share else 0  # what stays in memory if they go to nvme
     if left is not None and left < need:
-        keep = share if left >= 2 * share else 0
         return True, keep, (f"auto: {format_size(max(left, 0))} of host memory beside the budget is less than "
                             f"{taken}")
     if need > share:
-        return True, share, (f"auto: {taken}, are more than a quarter of memory.host_budget "
+        return True, keep, (f"auto: {taken}, are more than a quarter of memory.host_budget "
                              f"({format_size(share)}); activations.tier: memory keeps them all in memory")
     return False, 0, f"auto: {taken}, fit in a quarter of memory.host_budget beside it"
 
