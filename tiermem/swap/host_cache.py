@@ -425,10 +425,7 @@ class HostCache:
         if sum(n for _, n in holes) < align_up(size):
             return False
         idle = {p.host.offset: (p, p.host) for p in self.partitions.values()
-                if p.host is not None and p.host.arena == arena == p.arena and p.host_state is HostState.READY
-                and p.pending is None and not p.users and not p.waiters
-                and (p.device_state is DeviceState.NONE or (p.device_state is DeviceState.READY
-                                                             and p.device_data is not None))}
+                if p.movable and p.host is not None and p.host.arena == arena == p.arena}
         plan = plan_moves(holes, [(off, held.nbytes) for off, (_, held) in idle.items()], align_up(size))
         if not plan:  # None: no way found; []: a piece fits already, so nothing here can help
             return False

@@ -125,14 +125,22 @@ class Partition:
         self.host_state = HostState.NONE
         self._views.pop("host", None)
 
+    @property
+    def movable(self) -> bool:
+        """Whether its host copy may move to another buffer (the pool's compaction): it is idle, with no
+        transfer, no user and no device copy over the host buffer, so nothing points into its bytes."""
+        return (self.host is not None and self.host_state is HostState.READY and self.pending is None
+                and not self.users and not self.waiters
+                and (self.device_state is DeviceState.NONE
+                     or (self.device_state is DeviceState.READY and self.device_data is not None)))
+
     def move_host(self, buf: PoolBuffer) -> PoolBuffer:
         """Hand the host bytes over to `buf` (copied) and return the old buffer, for the caller to free: the
-        pool's compaction. Only an idle host copy moves: no transfer, no user, no device copy over it."""
-        if (self.host is None or self.host_state is not HostState.READY or self.pending is not None or self.users
-                or self.waiters or (self.device_state is not DeviceState.NONE and self.device_data is None)
-                or self.device_state is DeviceState.COPYING):
+        pool's compaction. Only a `movable` partition moves."""
+        if not self.movable:
             raise StateError(f"partition {self.name!r} is {self.state.value} with users or transfers; it cannot move")
         old = self.host
+        assert old is not None  # movable
         buf.numpy()[: old.nbytes] = old.numpy()
         self.host = buf
         self._views.pop("host", None)
