@@ -466,15 +466,16 @@ def test_changes_during_a_write_back_are_not_lost(tmp_path, engine: str) -> None
 
 
 class _GatedEngine:
-    """Wraps an engine: reads start on it at once, but report completion only once `open()` is called, so a
-    test sees which reads the swapper has started while the earlier ones are still in flight."""
+    """Wraps an engine: reads (and with `writes`, writes) start on it at once, but report completion only once
+    `open()` is called, so a test sees what the swapper has started while the earlier ones are still in flight."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, *, writes: bool = False) -> None:
         self.inner = inner
         self.block_size, self.queue_depth = inner.block_size, inner.queue_depth
         self.reads: list[int] = []  # bytes of each read, in the order started
         self._held: list[tuple[object, object]] = []
         self._open = True
+        self._gate_writes = writes
         self._lock = threading.Lock()
 
     def close_gate(self) -> None:
@@ -492,6 +493,16 @@ class _GatedEngine:
         real = self.inner.read_pieces(buf, pieces)
         with self._lock:
             self.reads.append(sum(p.length for p in pieces))
+        return self._gated(real)
+
+    def write_pieces(self, buf, pieces):
+        real = self.inner.write_pieces(buf, pieces)
+        return self._gated(real) if self._gate_writes else real
+
+    def _gated(self, real):
+        from tiermem.io.future import IOFuture
+
+        with self._lock:
             if self._open:
                 return real
             proxy = IOFuture(real.nbytes, 1)
@@ -537,3 +548,36 @@ def test_reads_start_in_order_and_only_a_queues_worth_at_once(tmp_path) -> None:
             for p, t in zip(parts, big + small, strict=True):
                 assert torch.equal(sw.acquire(p, Tier.HOST)["w"], t)
                 sw.release(p, tier=Tier.HOST)
+
+
+@pytest.mark.parametrize("how", ["parked", "not parked", "forgotten"])
+def test_a_read_ahead_without_room_starts_when_a_write_back_frees_it(tmp_path, how: str) -> None:
+    """[Note: parked read-aheads]: a read ahead that finds the pool held by a dirty partition starts that one's
+    write-back and, parked, its own read once the write-back has freed the room, with nobody asking again;
+    not parked, or forgotten before the write ends, it never starts; the bytes read are the partition's."""
+    from tiermem.io.backends import create_engine
+
+    with create_engine("auto", block_size=64 * KiB, queue_depth=8) as inner:
+        engine = _GatedEngine(inner, writes=True)
+        with TensorSwapper(None, engine=engine, **{"device": "cpu", "nvme.paths": [str(tmp_path / "swap")],
+                                                   "memory.host_budget": "1MiB"}) as sw:
+            data = [torch.randn(128 * KiB, generator=torch.Generator().manual_seed(i)) for i in range(3)]  # 512 KiB
+            dirty, held, ahead = (sw.add(n, {"w": t}, home="nvme") for n, t in zip("abc", data, strict=True))
+            for p in (dirty, held, ahead):
+                sw.evict(p).wait()
+            sw.acquire(dirty, Tier.HOST)["w"].add_(1.0)
+            sw.release(dirty, dirty=True, tier=Tier.HOST)
+            sw.acquire(held, Tier.HOST)  # the pool is full: `dirty` idle, `held` in use
+            engine.close_gate()
+            assert sw.prefetch(ahead, Tier.HOST, park=how != "not parked") is None  # `dirty`'s write has begun
+            assert not sw.holds_host(ahead)
+            if how == "forgotten":
+                sw.forget_parked()
+            engine.open()
+            sw.wait_idle(dirty)  # its write is done, and what its completion started has started
+            assert sw.holds_host(ahead) is (how == "parked")
+            assert torch.equal(sw.acquire(ahead, Tier.HOST)["w"], data[2])
+            sw.release(ahead, tier=Tier.HOST)
+            sw.release(held, tier=Tier.HOST)
+            assert torch.equal(sw.acquire(dirty, Tier.HOST)["w"], data[0] + 1.0)
+            sw.release(dirty, tier=Tier.HOST)

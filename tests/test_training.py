@@ -818,9 +818,9 @@ def test_a_pending_updates_read_ahead_takes_its_state_first_and_nothing_past_it_
         asked: list[str] = []
         full = {tm.optimizer.by_unit[window[1]].state.name}  # the second unit's state finds no room
 
-        def prefetch(part, tier):  # type: ignore[no-untyped-def]
+        def prefetch(part, tier, park=False):  # type: ignore[no-untyped-def]
             asked.append(part.name)
-            return None if part.name in full else real(part, tier)
+            return None if part.name in full else real(part, tier, park=park)
 
         real = sw.prefetch
         monkeypatch.setattr(sw, "prefetch", prefetch)

@@ -585,6 +585,7 @@ class Runtime:
             self._on_device.discard(i)
 
     def _prefetch(self, window: list[int], tier: Tier = Tier.DEVICE) -> None:
+        self.swapper.forget_parked()  # this round's reads replace what the last one could not start
         for j in window:
             part = self.units[j].partition
             extra = self.optimizer.pending_parts(j) if self.optimizer is not None else []
@@ -594,7 +595,7 @@ class Runtime:
             # the room this update waits for (and be evicted by its reads before their use).
             for p in (*reversed(extra), part):
                 if not self.swapper.is_on_the_way(p, to):
-                    self.swapper.prefetch(p, to)
+                    self.swapper.prefetch(p, to, park=True)  # without room now, once a write-back frees it
             if extra and not all(self.swapper.is_on_the_way(p, Tier.HOST) for p in (*extra, part)):
                 break
             if to is Tier.DEVICE:

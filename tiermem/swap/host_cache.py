@@ -48,6 +48,19 @@ allows is queued behind the second, so the drive goes from one read to the next 
 less than a queue's worth still go several at a time, which small partitions need to keep the queue full.
 What callers wait on (`Partition.pending`) completes after `_read_done` has recorded the read, whenever
 it started. Writes are not held back: write-backs free the memory that later reads go into.
+
+# [Note: parked read-aheads]
+A read-ahead never waits: when the pool has no room for it, it starts the write-back of a dirty partition
+needed after it and gives up. Asked again only when the next unit is entered, it found that room free long
+after the write had ended: with the lazy update, each unit's optimizer state is written back after its
+update, and the next unit's state, which could have gone into that room while the unit computed, was read
+only when its own update began, and waited (25 ms of each early unit's forward on the training bench). So
+the runtime's read-aheads are parked instead (`TensorSwapper.prefetch(park=True)`), and a write-back that
+frees host memory starts them, on the engine's thread, in the order they were asked for, while the room
+free now holds the first. They take free room only: making room would evict, and eviction may drop a
+device copy, which the engine's thread never touches. A fetch waiting for room (an acquire) comes first:
+while one waits, a completion starts nothing. Each round of read-aheads (`Runtime._prefetch`) forgets the
+parked ones of the last round, since the window has moved.
 """
 
 from __future__ import annotations
@@ -131,6 +144,10 @@ class HostCache:
         self.next_use: Callable[[Partition], float] | None = None
         # Called (lock held, on the engine's thread) when a read has brought a partition's bytes in
         self.on_read: Callable[[Partition], None] | None = None
+        # Called (lock held, on the engine's thread) when a write-back has freed host memory and no fetch is
+        # waiting for room: the swapper starts the read-aheads that found none ([Note: parked read-aheads])
+        self.on_room: Callable[[], None] | None = None
+        self.waiting = 0  # fetches waiting for room (alloc with wait): the room freed is theirs first
         # [Note: reads in order]: bytes of the reads in flight, and the reads waiting their turn
         self._reading = 0
         self._queued_reads: collections.deque[tuple[Partition, PoolBuffer, IOFuture]] = collections.deque()
@@ -353,6 +370,8 @@ class HostCache:
                         and part.device_state is DeviceState.NONE):
                     part.detach_host(self.pool, self.ledger)
                     self.evictions += 1
+                    if self.on_room is not None and not self.waiting:
+                        self.on_room()
         finally:
             done._chunk_done(error)
 
@@ -413,10 +432,15 @@ class HostCache:
                     raise self._no_room(part, arena)
                 if not wait and not wait_for.done():
                     raise BudgetError(f"no host memory free now for partition {part.name!r}")
+            with self.lock:
+                self.waiting += 1
             try:
                 wait_for.wait()  # without the lock: the completion needs it
             except Exception as exc:  # a failed write-back keeps its data; report it to this caller
                 raise StoreError(f"could not free host memory for partition {part.name!r}: {exc}") from exc
+            finally:
+                with self.lock:
+                    self.waiting -= 1
 
     def _compact(self, size: int, arena: str) -> bool:
         """Move idle pieces of `arena` so that `size` bytes are free in one piece, if enough are free and a way

@@ -131,6 +131,9 @@ class TensorSwapper:
         self._want_device: dict[str, Partition] = {}  # prefetched to the device, waiting for their host bytes
         if not self.mover.has_own_memory:
             self.cache.on_read = self._read_to_shared_device
+        # read-aheads that found no room, started by the write-back that frees it ([Note: parked read-aheads])
+        self._parked: list[tuple[Partition, Tier]] = []
+        self.cache.on_room = self._start_parked
         self.closed = False
 
     # -- what the rest of tiermem asks ------------------------------------------------------------------
@@ -288,6 +291,7 @@ class TensorSwapper:
                 self.store.free(part.extent)
                 part.extent = None
             self._want_device.pop(part.name, None)
+            self._parked = [(p, t) for p, t in self._parked if p is not part]
             del self.partitions[part.name]
 
     # -- moving -------------------------------------------------------------------------------------
@@ -334,11 +338,13 @@ class TensorSwapper:
                     raise
         return fut
 
-    def prefetch(self, part: Partition, tier: Tier = Tier.DEVICE) -> IOFuture | None:
+    def prefetch(self, part: Partition, tier: Tier = Tier.DEVICE, *, park: bool = False) -> IOFuture | None:
         """Start a fetch that never blocks: None (nothing started) when host memory is not free now.
 
         Toward the device, the copy starts now if the host bytes are in, else at the next `acquire` or
         `prefetch` after they arrive; it is skipped when the device has no room (see [Note: device budget]).
+        `park`: when there is no room, the read starts once a write-back frees it, unless `forget_parked`
+        comes first (see [Note: parked read-aheads]).
         """
         _check_tier(tier)
         if tier == Tier.DEVICE and part.reached(Tier.DEVICE):
@@ -346,14 +352,51 @@ class TensorSwapper:
         try:
             fut = self._fetch_host(part, wait_for_memory=False)
         except BudgetError:
+            if park:
+                with self._lock:
+                    if (part.home is Tier.NVME and part.device_state is DeviceState.NONE
+                            and all(p is not part for p, _ in self._parked)):
+                        self._parked.append((part, tier))
             return None
+        self._mark_prefetched(part, tier)
+        self.pump()
+        return fut
+
+    def _mark_prefetched(self, part: Partition, tier: Tier) -> None:
         with self._lock:
             part.prefetched = True
             if tier == Tier.DEVICE:
                 part.want_device = True
                 self._want_device[part.name] = part
-        self.pump()
-        return fut
+
+    def forget_parked(self) -> None:
+        """Drop the parked read-aheads not started yet: the runtime's next round of read-aheads replaces them."""
+        with self._lock:
+            self._parked.clear()
+
+    def _start_parked(self) -> None:
+        """Start parked read-aheads, in the order they were asked for, while the host pool has room for the
+        first of them (lock held, the engine's thread; see [Note: parked read-aheads])."""
+        while self._parked:
+            part, tier = self._parked[0]
+            if part.host_state is not HostState.NONE or part.device_state is not DeviceState.NONE:
+                self._parked.pop(0)  # fetched meanwhile, by an acquire or a read-ahead of its own
+                continue
+            try:  # free room only: making room would evict, and that may drop device copies
+                buf = self.pool.alloc(part.size, from_top=part.resident, arena=part.arena)
+            except BudgetError:
+                return
+            self._parked.pop(0)
+            self._clock += 1
+            part.last_used = self._clock
+            try:
+                self.cache.fill(part, buf)
+            except Exception as exc:  # noqa: BLE001 - a read-ahead is a hint: its acquire retries and reports
+                if part.host is not buf:
+                    self.pool.free(buf)
+                log.warning("reading partition %r ahead failed: %s", part.name, str(exc))
+                continue
+            self._mark_prefetched(part, tier)
 
     def pump(self) -> None:
         """Start the device copies of prefetched partitions whose host bytes have arrived (compute thread)."""
