@@ -488,8 +488,6 @@ class _GatedEngine:
             real.add_done_callback(lambda f, p=proxy: p._chunk_done(f.exception()))
 
     def read_pieces(self, buf, pieces):
-        from tiermem.io.future import IOFuture
-
         real = self.inner.read_pieces(buf, pieces)
         with self._lock:
             self.reads.append(sum(p.length for p in pieces))
