@@ -100,6 +100,14 @@ def _forward(rank: int, world: int, folder: Path) -> None:
         order = tm.runtime.schedule.order
         per_pass = sum(a != b for a, b in zip(order, order[1:], strict=False))
         assert st["gathers_ahead"] == (2 * per_pass if world > 1 else 0), (order, st)
+        if world > 1:  # a unit entered twice in a row (wte, then wpe) is gathered once ([Note: a unit entered again])
+            tm.reset_stats()
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, ref)
+            runs = [u for k, u in enumerate(order) if k == 0 or u != order[k - 1]]
+            assert len(runs) < len(order), order
+            sizes = {u.index: (world - 1) * u.partition.size for u in tm.runtime.units}
+            assert tm.stats()["gathered_bytes"] == sum(sizes[u] for u in runs), (order, tm.stats())
         peak = st["peak_bytes"]
         if world > 1:  # a pass that leaves the recorded order (on every rank alike) computes the same
             detour = _detour(model)
@@ -130,7 +138,8 @@ def _detour(model: torch.nn.Module) -> object:
 
 def test_two_ranks_each_hold_half_and_compute_what_one_process_computes(tmp_path) -> None:
     """Inference under two ranks: each rank keeps its half of every unit on its NVMe tier, gathers units to
-    compute (once the order is known, each while the unit before computes), and gets the logits of the
+    compute (once the order is known, each while the unit before computes, and a unit entered twice in a row
+    once), and gets the logits of the
     model in memory, also in a pass that leaves the recorded order; each rank's NVMe and host-tier bytes
     are half of a single process's (within 5%); an edit in tm.gathered() is kept; leaving gives every rank
     the whole model back."""

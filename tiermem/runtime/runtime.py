@@ -95,6 +95,7 @@ class Runtime:
         self.kv: Any = None  # the tiered KV cache's blocks (kv.tier other than memory), see kv_cache.py
         self.moved_buffers: list[tuple[nn.Module, str, torch.device]] = []  # (module, name, origin) to give back
         self._ahead: tuple[int, Gathering] | None = None  # a unit whose gather started early (several ranks)
+        self._lingering: int | None = None  # a gathered unit kept bound past its exit ([Note: a unit entered again])
         self._charged: dict[int, int] = {}  # unit -> gathered bytes counted on the device's ledger
         self._expanded: dict[int, torch.Tensor] = {}  # unit -> the buffer its compressed weights expand into
         self._spare: dict[int, torch.Tensor] = {}  # size -> an expansion buffer kept for the next unit of it
@@ -365,8 +366,14 @@ class Runtime:
     def enter(self, i: int) -> None:
         """Make unit `i` usable on the device (see [Note: acquire and release])."""
         unit = self.units[i]
+        if self._lingering is not None and self._lingering != i:
+            self.let_lingering_go()
         unit.depth += 1
         if unit.depth > 1:
+            return
+        if self._lingering == i:  # still bound since its exit, gathered whole
+            self._lingering = None
+            self._enter_again(unit)
             return
         self._entered_at[i] = self.swapper.clock  # see follow()
         part = unit.partition
@@ -413,6 +420,35 @@ class Runtime:
             self._gather_ahead(i)
 
     # -- several ranks: gathering units whole (see [Note: sharding] in tiermem/distributed.py) --------------
+    # [Note: a unit entered again]
+    # A unit of several modules is entered once per module: `h.11+ln_f` for the block, then for the final norm;
+    # `wte+wpe` for each embedding, and for the tied head at the end of forward and again at the start of
+    # backward. With one rank its host copy stays, and entering it again costs nothing. With several, the
+    # unit's whole copy, gathered from every rank, went at each exit, so each entry gathered it again, and
+    # nothing had started that gather ahead (`_gather_ahead` skips the unit computing). On the training bench
+    # at 2 ranks those gathers were waited for in full: 46 ms for `h.11+ln_f`, 10-25 ms for each second use of
+    # `wte+wpe`, each step. Now, when the order says the unit leaving is the next one entered, it stays bound,
+    # gathered, until then (`_lingering`); any other entry, and `settle`, let it go first. Its chunks do not
+    # change in between: an update applies to a unit only as it is first entered, and `prefetch_pending`
+    # (a step recorded) lets it go too. A unit whose tensors were changed (dirty) never lingers.
+    def _enter_again(self, unit: Unit) -> None:
+        """Unit `unit`, whose gathered copy stayed bound since its exit, is in use again."""
+        i = unit.index
+        self._entered_at[i] = self.swapper.clock
+        self.prefetch_hits += 1
+        window = self.schedule.on_acquire(i)
+        self._prefetch(window)
+        if self.tracer is not None:
+            self._trace_acquired(unit, self.tracer.now())
+        self._on_device.add(i)
+        self._gather_ahead(i)
+
+    def let_lingering_go(self) -> None:
+        """Release the unit kept gathered past its exit, if any ([Note: a unit entered again])."""
+        i, self._lingering = self._lingering, None
+        if i is not None:
+            self._let_go(self.units[i], dirty=False, drop=False)
+
     def _trace_acquired(self, unit: Unit, began: float) -> None:
         """The wait for `unit` (its read, its gather) as a span, and the bytes each tier holds now."""
         assert self.tracer is not None
@@ -425,6 +461,7 @@ class Runtime:
 
     def prefetch_pending(self) -> None:
         """`step()` recorded updates: start reading what the next pass's first units' updates need."""
+        self.let_lingering_go()  # the updates change it: its gathered copy would be stale
         if self.schedule.order:
             self._prefetch(self.schedule.window(), Tier.HOST)
 
@@ -538,7 +575,9 @@ class Runtime:
             self.swapper.release(unit.partition, tier=Tier.DEVICE)
 
     def settle(self) -> None:
-        """Finish a gather started ahead that no unit took (the with-block ends, or raised mid-pass)."""
+        """Finish a gather started ahead that no unit took (the with-block ends, or raised mid-pass), and let
+        go of a unit kept gathered past its exit."""
+        self.let_lingering_go()
         if self._ahead is not None:
             j, g = self._ahead
             self._ahead = None
@@ -568,6 +607,15 @@ class Runtime:
         if self.tracer is not None and i in self._bound_at:
             self.tracer.span("compute", f"{'backward' if self._in_backward else 'forward'} {unit.name}",
                              self._bound_at.pop(i), unit=i)
+        if (unit.ranks.sharded and unit.quant is None and not dirty and not drop
+                and self.schedule.next_in_pass() == i):
+            self._lingering = i  # entered again next: it stays gathered ([Note: a unit entered again])
+            return
+        self._let_go(unit, dirty=dirty, drop=drop)
+
+    def _let_go(self, unit: Unit, *, dirty: bool, drop: bool) -> None:
+        """The release of `exit`, once nothing uses the unit."""
+        i = unit.index
         if dirty and unit.ranks.sharded:  # edits to the gathered unit (tm.gathered()): keep this rank's chunks
             unit.keep_chunks()
         unit.unbind()
