@@ -19,6 +19,8 @@ labels=ids).loss. Variants:
             (the settings of configs/train-lowmem.yaml); each rank keeps 1/N of every unit
   tiermem_one  the same on one rank (torchrun --nproc-per-node 1, one batch per step): what sharding costs
             or saves per rank, in time, bytes and RSS
+  tiermem_default  tiermem with its defaults: only memory.host_budget --host-budget and nvme.paths set (the
+            tiers, activations.tier auto and its activations.keep chosen at entry); not run unless named
   deepspeed deepspeed.initialize with ZeRO stage 3, offload_param and offload_optimizer on NVMe
             (--swap-dir/deepspeed), DS_ACCELERATOR=cpu, train_offload.py's config otherwise
 
@@ -71,10 +73,11 @@ from train_offload import ADAMW, INPUT_SEED, build_model, deepspeed_config, fio_
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/tiermem-ranks-bench"
-VARIANTS = ("ddp", "tiermem", "tiermem_one", "deepspeed", "ddp_io")
+VARIANTS = ("ddp", "tiermem", "tiermem_one", "deepspeed", "ddp_io", "tiermem_default")
 DEFAULT_VARIANTS = VARIANTS[:4]
 LABELS = {"ddp": "PyTorch DDP, in memory", "tiermem": "tiermem, NVMe tiers", "tiermem_one": "tiermem, one rank",
-          "deepspeed": "DeepSpeed ZeRO-3 NVMe", "ddp_io": "DDP beside fio --io-load"}
+          "deepspeed": "DeepSpeed ZeRO-3 NVMe", "ddp_io": "DDP beside fio --io-load",
+          "tiermem_default": "tiermem, its defaults"}
 DS_GOAL = 0.5  # tiermem's step <= this x DeepSpeed's
 RSS_SLACK = 500 * 10**6  # a rank's peak RSS in the steps <= its host budget + this
 LAUNCH_TIMEOUT_S = 1800
@@ -120,7 +123,8 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             import tiermem
 
-            ctx = tiermem.tiered_offload(model, optimizer=torch.optim.AdamW(params, **ADAMW), **spec["tiermem"])
+            config = spec["tiermem_default" if spec["variant"] == "tiermem_default" else "tiermem"]
+            ctx = tiermem.tiered_offload(model, optimizer=torch.optim.AdamW(params, **ADAMW), **config)
             tm = ctx.__enter__()
             opt, fwd = tm.optimizer, model
             out["units"] = len(tm.units)
@@ -272,7 +276,7 @@ def compare_losses(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     diffs = []
     for (v, rnd), run in by.items():
         ref = by.get(("ddp", rnd))
-        if v != "tiermem" or ref is None:
+        if v not in ("tiermem", "tiermem_default") or ref is None:
             continue
         for a, b in zip(run["ranks"], ref["ranks"], strict=True):
             diffs += [abs(x["loss"] - y["loss"]) for x, y in zip(a["samples"], b["samples"], strict=True)]
@@ -313,6 +317,10 @@ def goals(summary: dict[str, dict[str, Any]], budget: int) -> dict[str, Any]:
     if "seconds_mean" in tm and "seconds_mean" in ds:
         ratio = tm["seconds_mean"] / ds["seconds_mean"]
         out["vs_deepspeed"] = {"held": ratio <= DS_GOAL, "ratio": ratio, "goal": DS_GOAL}
+    default = summary.get("tiermem_default", {})
+    if "seconds_mean" in default and "seconds_mean" in ds:
+        ratio = default["seconds_mean"] / ds["seconds_mean"]
+        out["default_vs_deepspeed"] = {"held": ratio <= DS_GOAL, "ratio": ratio, "goal": DS_GOAL}
     if "seconds_mean" in tm and "seconds_mean" in floor:  # a measurement, not one of the issue's goals
         out["vs_ddp_io"] = {"ratio": tm["seconds_mean"] / floor["seconds_mean"],
                             "fio_bytes_per_step": floor.get("io_load_bytes_per_step"),
@@ -338,7 +346,7 @@ def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], lo
         print(f"  {LABELS[v]:<24} {e['seconds_mean']:.3f} ± {e['seconds_std']:.3f}  "
               + " ".join(f"{x:.3f}" for x in e["round_means"])
               + f"  {steps_peak / 1e9 if steps_peak else float('nan'):.2f}  {e['setup_peak_rss_bytes_max'] / 1e9:.2f}")
-    for key in ("tiermem", "tiermem_one"):
+    for key in ("tiermem", "tiermem_one", "tiermem_default"):
         tm = summary.get(key, {})
         if "seconds_mean" not in tm:
             continue
@@ -354,8 +362,9 @@ def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], lo
         print(f"losses, tiermem against DDP: max |diff| {losses['max_abs_diff']:.2e} over {losses['steps']} "
               "rank-steps")
     for name, g in verdict.items():
-        if name == "vs_deepspeed":
-            print(f"goal tiermem <= {g['goal']} x DeepSpeed: {'held' if g['held'] else 'NOT held'} ({g['ratio']:.2f}x)")
+        if name in ("vs_deepspeed", "default_vs_deepspeed"):
+            who = "tiermem's defaults" if name == "default_vs_deepspeed" else "tiermem"
+            print(f"goal {who} <= {g['goal']} x DeepSpeed: {'held' if g['held'] else 'NOT held'} ({g['ratio']:.2f}x)")
         elif name == "vs_ddp_io":
             fio = g["fio_bytes_per_step"]
             print(f"tiermem against DDP beside fio: {g['ratio']:.2f}x (fio {fio / 1e9 if fio else float('nan'):.2f} GB "
@@ -427,7 +436,9 @@ def main(argv: list[str]) -> int:
             "tiermem": {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme",
                         "memory.host_budget": args.host_budget, "nvme.paths": [os.path.join(tm_swap, "rank{rank}")],
                         "io.engine": "io_uring", "activations.tier": "nvme",
-                        "activations.buffer": args.activations_buffer}}
+                        "activations.buffer": args.activations_buffer},
+            "tiermem_default": {"device": "cpu", "memory.host_budget": args.host_budget,
+                                "nvme.paths": [os.path.join(tm_swap, "rank{rank}")]}}
     variants = args.variants.split(",")
     runs: list[dict[str, Any]] = []
     bandwidth = None
