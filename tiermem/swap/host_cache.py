@@ -58,9 +58,13 @@ only when its own update began, and waited (25 ms of each early unit's forward o
 the runtime's read-aheads are parked instead (`TensorSwapper.prefetch(park=True)`), and a write-back that
 frees host memory starts them, on the engine's thread, in the order they were asked for, while the room
 free now holds the first. They take free room only: making room would evict, and eviction may drop a
-device copy, which the engine's thread never touches. A fetch waiting for room (an acquire) comes first:
-while one waits, a completion starts nothing. Each round of read-aheads (`Runtime._prefetch`) forgets the
-parked ones of the last round, since the window has moved.
+device copy, which the engine's thread never touches. A fetch finding room comes first: while one is in
+`alloc` in the same arena (an eviction it made frees room it will take when it has the lock again), a
+completion starts nothing there (`allocating`, per arena: saved activations come and go in their own
+arena all through a forward), and a parked partition that a fetch is bringing in (it has waiters) is
+dropped from the list.
+Each round of read-aheads (`Runtime._prefetch`) forgets the parked ones of the last round, since the
+window has moved.
 """
 
 from __future__ import annotations
@@ -144,10 +148,11 @@ class HostCache:
         self.next_use: Callable[[Partition], float] | None = None
         # Called (lock held, on the engine's thread) when a read has brought a partition's bytes in
         self.on_read: Callable[[Partition], None] | None = None
-        # Called (lock held, on the engine's thread) when a write-back has freed host memory and no fetch is
-        # waiting for room: the swapper starts the read-aheads that found none ([Note: parked read-aheads])
+        # Called (lock held, on the engine's thread) when a write-back has freed host memory: the swapper
+        # starts the read-aheads that found no room ([Note: parked read-aheads])
         self.on_room: Callable[[], None] | None = None
-        self.waiting = 0  # fetches waiting for room (alloc with wait): the room freed is theirs first
+        # fetches finding room now (in `alloc`), per arena: the room freed there is theirs first
+        self.allocating: collections.Counter[str] = collections.Counter()
         # [Note: reads in order]: bytes of the reads in flight, and the reads waiting their turn
         self._reading = 0
         self._queued_reads: collections.deque[tuple[Partition, PoolBuffer, IOFuture]] = collections.deque()
@@ -370,7 +375,7 @@ class HostCache:
                         and part.device_state is DeviceState.NONE):
                     part.detach_host(self.pool, self.ledger)
                     self.evictions += 1
-                    if self.on_room is not None and not self.waiting:
+                    if self.on_room is not None:
                         self.on_room()
         finally:
             done._chunk_done(error)
@@ -390,6 +395,17 @@ class HostCache:
 
         From the partition's arena; a saved activation that finds its arena full of activations in use
         (backward can hold more at once than activations.buffer) overflows into the rest of the pool."""
+        arenas = [part.arena]  # the arenas it looks for room in: the room it frees there is its own
+        with self.lock:
+            self.allocating[part.arena] += 1  # parked read-aheads wait ([Note: parked read-aheads])
+        try:
+            return self._alloc(part, wait, arenas)
+        finally:
+            with self.lock:
+                for arena in arenas:
+                    self.allocating[arena] -= 1
+
+    def _alloc(self, part: Partition, wait: bool, arenas: list[str]) -> PoolBuffer:
         arena = part.arena
         if part.size > self.pool.arena_bytes[arena]:
             if arena != "activations":
@@ -397,7 +413,7 @@ class HostCache:
                     f"partition {part.name!r} needs {format_size(part.size)} of host memory, more than the whole "
                     f"{self.arena_text(arena)}; raise it or split the model into smaller units"
                 )
-            arena = "main"
+            arena = self._overflow(arenas)
         compacted = False  # moving pieces is tried once before the evictions, and last of all
         while True:
             with self.lock:
@@ -424,7 +440,7 @@ class HostCache:
                 elif busy:
                     wait_for = busy[0].pending  # type: ignore[assignment]
                 elif arena == "activations":
-                    arena = "main"  # the overflow: see the docstring
+                    arena = self._overflow(arenas)  # see the docstring
                     continue
                 elif wait and self._compact(part.size, arena):  # with nothing left to evict
                     continue
@@ -432,15 +448,17 @@ class HostCache:
                     raise self._no_room(part, arena)
                 if not wait and not wait_for.done():
                     raise BudgetError(f"no host memory free now for partition {part.name!r}")
-            with self.lock:
-                self.waiting += 1
             try:
                 wait_for.wait()  # without the lock: the completion needs it
             except Exception as exc:  # a failed write-back keeps its data; report it to this caller
                 raise StoreError(f"could not free host memory for partition {part.name!r}: {exc}") from exc
-            finally:
-                with self.lock:
-                    self.waiting -= 1
+
+    def _overflow(self, arenas: list[str]) -> str:
+        """A saved activation's fetch goes on in the main arena, which then counts it as finding room there."""
+        with self.lock:
+            self.allocating["main"] += 1
+            arenas.append("main")
+        return "main"
 
     def _compact(self, size: int, arena: str) -> bool:
         """Move idle pieces of `arena` so that `size` bytes are free in one piece, if enough are free and a way

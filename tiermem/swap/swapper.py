@@ -379,9 +379,11 @@ class TensorSwapper:
         first of them (lock held, the engine's thread; see [Note: parked read-aheads])."""
         while self._parked:
             part, tier = self._parked[0]
-            if part.host_state is not HostState.NONE or part.device_state is not DeviceState.NONE:
-                self._parked.pop(0)  # fetched meanwhile, by an acquire or a read-ahead of its own
+            if part.host_state is not HostState.NONE or part.device_state is not DeviceState.NONE or part.waiters:
+                self._parked.pop(0)  # fetched meanwhile, or being fetched (a fetch making room for it waits)
                 continue
+            if self.cache.allocating[part.arena]:
+                return  # a fetch is finding room there: what was freed is its own
             try:  # free room only: making room would evict, and that may drop device copies
                 buf = self.pool.alloc(part.size, from_top=part.resident, arena=part.arena)
             except BudgetError:
