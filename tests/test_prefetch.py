@@ -12,6 +12,7 @@ from tests import models
 from tiermem import tiered_offload
 from tiermem.io.engine import Chunk
 from tiermem.io.threads import ThreadEngine
+from tiermem.runtime.schedule import Schedule
 from tiermem.swap import Residency
 
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
@@ -287,3 +288,18 @@ def test_reads_ahead_fill_the_room_the_resident_plan_leaves(tmp_path) -> None:
         s = tm.stats()
     # three passes' streamed units, and at most the next pass's read-ahead (in flight as the last pass ends)
     assert s["prefetch_misses"] == 0 and s["bytes_read"] <= (3 * len(streamed) + len(ahead)) * size, s
+
+
+def test_the_next_pass_is_what_the_window_reaches_past_the_orders_end() -> None:
+    """Schedule.next_pass: the window's units whose next use is in the next pass ([Note: the state before
+    step()] reads their optimizer state ahead): none while the window lies inside this pass, then those past
+    the order's end, and the whole window once the pass has ended; nothing while recording."""
+    s = Schedule(2, None, lambda i: 1)
+    for u in (0, 1, 2, 1, 0):  # a forward then a backward, as the runtime records them
+        assert s.on_acquire(u) == [] and s.next_pass() == []
+    assert s.on_pass_end() == [0, 1] and s.next_pass() == [0, 1]
+    for u in (0, 1, 2):
+        s.on_acquire(u)
+    assert s.window() == [1, 0] and s.next_pass() == []
+    s.on_acquire(1)
+    assert s.window() == [0, 1] and s.next_pass() == [1]  # 0 is still to come in this pass; 1 only in the next

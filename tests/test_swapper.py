@@ -198,6 +198,24 @@ def test_scattered_host_homed_pieces_are_moved_to_make_room(tmp_path) -> None:
         assert sw.stats().bytes_moved == half
         sw.evict(big).wait()
         assert torch.equal(sw.acquire(big, Tier.HOST)["x"], data)
+
+
+def test_a_read_ahead_joins_scattered_free_pieces_only_when_asked_to(tmp_path) -> None:
+    """A read-ahead moves nothing by default (it must not stall the compute); with `compact` (the runtime's
+    reads of an update's state, [Note: host pool compaction]) it joins free pieces as a waiting fetch does."""
+    half = MiB // 2
+    data = torch.arange(3 * MiB // 4, dtype=torch.float32)
+    with _swapper(tmp_path, **{"memory.host_budget": "4MiB"}) as sw:
+        big = sw.add("big", {"x": data})
+        sw.evict(big).wait()
+        homed = {n: sw.add(n, {"x": torch.full((half // 4,), float(i))}, home="cpu") for i, n in enumerate("abcd")}
+        sw.discard(homed["b"])
+        sw.discard(homed["d"])  # 3 MiB free, as 0.5 and 2.5
+        assert sw.prefetch(big, Tier.HOST) is None and sw.stats().bytes_moved == 0
+        assert sw.prefetch(big, Tier.HOST, compact=True) is not None
+        assert sw.stats().bytes_moved == half
+        assert torch.equal(sw.acquire(big, Tier.HOST)["x"], data)
+        assert torch.equal(sw.acquire(homed["c"], Tier.HOST)["x"], torch.full((half // 4,), 2.0))
         sw.release(big)
         for name, value in (("a", 0.0), ("c", 2.0)):
             assert torch.equal(sw.acquire(homed[name], Tier.HOST)["x"], torch.full((half // 4,), value))

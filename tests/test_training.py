@@ -13,6 +13,7 @@ from torch import nn
 
 from tests import models
 from tiermem import OffloadError, tiered_offload
+from tiermem.swap import Tier
 
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
 
@@ -818,9 +819,9 @@ def test_a_pending_updates_read_ahead_takes_its_state_first_and_nothing_past_it_
         asked: list[str] = []
         full = {tm.optimizer.by_unit[window[1]].state.name}  # the second unit's state finds no room
 
-        def prefetch(part, tier, park=False):  # type: ignore[no-untyped-def]
+        def prefetch(part, tier, park=False, compact=False):  # type: ignore[no-untyped-def]
             asked.append(part.name)
-            return None if part.name in full else real(part, tier, park=park)
+            return None if part.name in full else real(part, tier, park=park, compact=compact)
 
         real = sw.prefetch
         monkeypatch.setattr(sw, "prefetch", prefetch)
@@ -830,3 +831,31 @@ def test_a_pending_updates_read_ahead_takes_its_state_first_and_nothing_past_it_
         assert asked.index(states[0]) < asked.index(first)
         assert states[1] in asked and third not in asked and states[2] not in asked
         tm.optimizer.flush()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_backward_before_a_step_reads_the_next_forwards_first_state_ahead(tmp_path, accumulate) -> None:
+    """[Note: the state before step()]: once a step has come after `accumulate` backward passes, the last
+    backward of the next step reads the state of the unit the next forward updates first ahead, before
+    step() records that update; an earlier micro-batch's backward reads nothing of it, nor does the first
+    step's, before any step was seen. The training stays what it was (losses equal to plain PyTorch's)."""
+    model, ref = mlp(), mlp()
+    data = batches(3 * accumulate)
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), **cfg(tmp_path)) as tm:
+        sw, opt = tm.swapper, tm.optimizer
+        first = tm.units[0]
+        state = opt.by_unit[first.index].state
+        read_ahead = []  # per backward: whether the first unit's state was on its way to host memory after it
+        losses = []
+        for k in range(0, len(data), accumulate):
+            opt.zero_grad()
+            for x, y in data[k:k + accumulate]:
+                loss = loss_fn(model, x, y) / accumulate
+                sw.evict(state).wait()  # its update is applied (or none yet): the state rests on NVMe
+                assert not sw.is_on_the_way(state, Tier.HOST)
+                tm.backward(loss)
+                read_ahead.append(sw.is_on_the_way(state, Tier.HOST))
+                losses.append(float(loss.detach()))
+            opt.step()
+        assert read_ahead == [False] * accumulate + ([False] * (accumulate - 1) + [True]) * 2
+    assert losses == run_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, accumulate=accumulate)

@@ -177,6 +177,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             st = self._unit_state(unit, trainable, grads, made[unit.index, "state"])
             self.units.append(st)
             self.by_unit[unit.index] = st
+        # id of a state or accumulator partition -> its unit, whose update reads it (the runtime's next use)
+        self.part_unit = {id(p): st.unit.index for st in self.units for p in (st.grads, st.state) if p is not None}
         if original.state:
             self.load_state_dict(original.state_dict())
 
@@ -427,6 +429,12 @@ class TieredOptimizer(torch.optim.Optimizer):
             return []
         st = self.by_unit[unit_index]
         return [st.grads, st.state] if st.state is not None else [st.grads]
+
+    def coming_parts(self, unit_index: int) -> list[Partition]:
+        """The partitions of the unit's next update to read ahead before `step()` records it: its state, when
+        that lives on NVMe (its accumulators are being filled)."""
+        st = self.by_unit.get(unit_index)
+        return [st.state] if st is not None and st.state is not None and st.state.home is Tier.NVME else []
 
     def flush(self) -> None:
         """Apply every recorded update, in unit order (each leaves `pending` once applied, and gives its

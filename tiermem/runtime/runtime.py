@@ -90,6 +90,8 @@ class Runtime:
         self._in_backward = False
         self._backward_task = -1  # autograd's id of the backward in progress
         self._awaiting_backward = False  # a grad-enabled forward ended; its pass ends with its backward
+        self._backwards = 0  # backward passes ended since step() last recorded updates
+        self._backwards_per_step = 0  # how many ended before that step (0: none recorded yet)
         self._distance: tuple[int, dict[int, int]] = (-1, {})  # (cursor, unit -> acquisitions until next use)
         self.activations: ActivationStore | None = None  # saved activations on NVMe (activations.tier)
         self.kv: Any = None  # the tiered KV cache's blocks (kv.tier other than memory), see kv_cache.py
@@ -127,10 +129,44 @@ class Runtime:
                 dist.setdefault(order[(self.schedule.pos + k) % n], k + 1)
             self._distance = (self.schedule.pos, dist)
         unit = self._unit_of.get(id(part), -1)
+        if unit < 0 and self.optimizer is not None:
+            return float(dist.get(self._updated_by(part), float("inf")))
         entered = self.entered_at(unit) if unit >= 0 and part is not self.units[unit].partition else None
         if entered is not None and part.last_used <= entered:
             return 0.0  # see follow()
         return float(dist.get(unit, float("inf")))
+
+    def _updated_by(self, part: Partition) -> int:
+        """The unit whose coming update reads `part` (its optimizer state or accumulators), else -1: a lazy
+        update runs as its unit is next entered, so that is when they are needed; the state of a unit whose
+        update is not recorded yet is needed then only when `step()` is expected (see [Note: the state
+        before step()])."""
+        opt = self.optimizer
+        u = opt.part_unit.get(id(part), -1) if opt.lazy else -1
+        if u < 0 or u in opt.pending:
+            return u
+        return u if part is opt.by_unit[u].state and self._step_follows() else -1
+
+    # [Note: the state before step()]
+    # A lazy update's reads start when `step()` records it, and the first unit of the next forward then waits
+    # for the whole of its state: on the training bench 50 ms for `wte+wpe` each step, while the last units of
+    # backward had computed with the disk idle. The loop's shape says when a step comes: it follows as many
+    # backward passes as the last one did (one; two with 2-step accumulation). In that backward, once the
+    # window reaches past the pass's end, the next pass's first unit has its state read ahead (parked
+    # without room, as any read-ahead), and at the backward's end the window's units have theirs, in order,
+    # as they do once the step is recorded. Only the first while backward runs: the accumulators still to
+    # come need the room, and a state read and evicted before its use would be read twice. Until the update
+    # is recorded such a state is needed at its unit's next entry, like a recorded one, so reading it evicts
+    # only what is needed later, and the parameters the update comes with stay (before, a state read ahead
+    # counted as needed by nobody, evicted anything, and `wte+wpe` and `h.0` were read again at once). A
+    # wrong guess costs a read: the state is read ahead only, and goes first when room is needed.
+    def _step_follows(self) -> bool:
+        """Whether the loop's `step()` is expected before the next forward: in, or after, the backward that
+        the last recorded step came after as many of."""
+        opt = self.optimizer
+        if opt is None or not opt.lazy or not self._backwards_per_step:
+            return False
+        return self._backwards + int(self._in_backward) == self._backwards_per_step
 
     # -- hooks --------------------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -285,6 +321,7 @@ class Runtime:
             self.optimizer.settle_grads()  # the last unit's reduce-scatter (several ranks)
         self._bwd_done.clear()
         self._in_backward = False
+        self._backwards += 1
         if self._awaiting_backward:
             self._awaiting_backward = False
             self._finish_pass(trained=True)
@@ -462,6 +499,8 @@ class Runtime:
     def prefetch_pending(self) -> None:
         """`step()` recorded updates: start reading what the next pass's first units' updates need."""
         self.let_lingering_go()  # the updates change it: its gathered copy would be stale
+        if self._backwards:  # see [Note: the state before step()]
+            self._backwards_per_step, self._backwards = self._backwards, 0
         if self.schedule.order:
             self._prefetch(self.schedule.window(), Tier.HOST)
 
@@ -634,16 +673,22 @@ class Runtime:
 
     def _prefetch(self, window: list[int], tier: Tier = Tier.DEVICE) -> None:
         self.swapper.forget_parked()  # this round's reads replace what the last one could not start
+        coming = self.schedule.next_pass() if self._step_follows() else []  # [Note: the state before step()]
+        if self._in_backward:
+            coming = coming[:1]
         for j in window:
             part = self.units[j].partition
             extra = self.optimizer.pending_parts(j) if self.optimizer is not None else []
+            if not extra and j in coming:
+                extra = self.optimizer.coming_parts(j)
             to = Tier.HOST if extra else tier  # its update comes first, on the host (see [Note: lazy update])
             # A unit's recorded update needs its state, gradients and parameters at once: its state is read
             # first, and when any of them finds no room nothing past it is read, since those reads would take
             # the room this update waits for (and be evicted by its reads before their use).
             for p in (*reversed(extra), part):
                 if not self.swapper.is_on_the_way(p, to):
-                    self.swapper.prefetch(p, to, park=True)  # without room now, once a write-back frees it
+                    # without room now, once a write-back frees it; an update's room is joined from pieces
+                    self.swapper.prefetch(p, to, park=True, compact=p is not part)
             if extra and not all(self.swapper.is_on_the_way(p, Tier.HOST) for p in (*extra, part)):
                 break
             if to is Tier.DEVICE:

@@ -91,6 +91,27 @@ class Schedule:
             out.append(u)
         return out
 
+    def next_pass(self) -> list[int]:
+        """The units of `window()` that the next pass uses first: those the window reaches only past the end of
+        the order (all of it once a pass has ended, none while the cursor is more than a window from the end)."""
+        n = len(self.order)
+        if self._recording is not None or self._stale or not n:
+            return []
+        left = (n - self.pos) % n  # acquisitions to the end of this pass (0: the next pass is about to begin)
+        window = self.window()
+        seen: set[int] = set()
+        out: list[int] = []
+        for k in range(n):
+            u = self.order[(self.pos + k) % n]
+            if u not in window or u in seen:
+                continue
+            seen.add(u)
+            if k >= left:
+                out.append(u)
+            if len(seen) == len(window):
+                break
+        return out
+
     def read_ahead(self, room: int | None = None) -> list[int]:
         """The next units after the cursor that are not resident: what must be read next. Resident units in
         the window take window places but need no reading, so this looks past them. With `room` (bytes free

@@ -26,8 +26,11 @@ the fewest bytes into holes outside it, and each piece's bytes are copied there 
 idle piece is one with no user, no transfer and no device copy over its host buffer, so nothing points
 into the bytes that move. A copy in memory costs a fraction of the read that evicting a partition and
 reading it back would, so it is tried before the first eviction, and once more when nothing is left to
-evict (planning takes milliseconds over thousands of pieces, so not before every eviction); read-aheads
-(which must not wait) never move anything. `stats()` counts the bytes moved.
+evict (planning takes milliseconds over thousands of pieces, so not before every eviction). Read-aheads
+(which must not wait) move nothing, but for the optimizer state and accumulators of an update to come
+(`prefetch(compact=True)`): a state read waited for at the start of a forward costs more than the copy,
+and the accumulators scatter its room ([Note: the state before step()] in tiermem/runtime/runtime.py).
+`stats()` counts the bytes moved.
 
 # [Note: swapper locking]
 One re-entrant lock (the swapper's) guards all partition states, the pool and the ledger. Completions of
@@ -390,22 +393,23 @@ class HostCache:
         return done_future()
 
     # -- host memory ----------------------------------------------------------------------------------
-    def alloc(self, part: Partition, *, wait: bool = True) -> PoolBuffer:
+    def alloc(self, part: Partition, *, wait: bool = True, compact: bool = False) -> PoolBuffer:
         """A host buffer for `part`, evicting idle NVMe partitions (and waiting for write-backs). Lock not held.
 
         From the partition's arena; a saved activation that finds its arena full of activations in use
-        (backward can hold more at once than activations.buffer) overflows into the rest of the pool."""
+        (backward can hold more at once than activations.buffer) overflows into the rest of the pool.
+        `compact`: without `wait`, still move idle pieces once ([Note: host pool compaction])."""
         arenas = [part.arena]  # the arenas it looks for room in: the room it frees there is its own
         with self.lock:
             self.allocating[part.arena] += 1  # parked read-aheads wait ([Note: parked read-aheads])
         try:
-            return self._alloc(part, wait, arenas)
+            return self._alloc(part, wait, arenas, compact)
         finally:
             with self.lock:
                 for arena in arenas:
                     self.allocating[arena] -= 1
 
-    def _alloc(self, part: Partition, wait: bool, arenas: list[str]) -> PoolBuffer:
+    def _alloc(self, part: Partition, wait: bool, arenas: list[str], compact: bool = False) -> PoolBuffer:
         arena = part.arena
         if part.size > self.pool.arena_bytes[arena]:
             if arena != "activations":
@@ -421,9 +425,9 @@ class HostCache:
                     return self.pool.alloc(part.size, from_top=part.home is not Tier.NVME or part.resident, arena=arena)
                 except BudgetError:
                     pass
-                if wait and not compacted:
+                if (wait or compact) and not compacted:
                     compacted = True
-                    if self._compact(part.size, arena):
+                    if self.compact(part.size, arena):
                         continue
                 victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
                                   and p.host is not None and p.host.arena == arena
@@ -442,7 +446,7 @@ class HostCache:
                 elif arena == "activations":
                     arena = self._overflow(arenas)  # see the docstring
                     continue
-                elif wait and self._compact(part.size, arena):  # with nothing left to evict
+                elif (wait or compact) and self.compact(part.size, arena):  # with nothing left to evict
                     continue
                 else:
                     raise self._no_room(part, arena)
@@ -460,7 +464,7 @@ class HostCache:
             arenas.append("main")
         return "main"
 
-    def _compact(self, size: int, arena: str) -> bool:
+    def compact(self, size: int, arena: str) -> bool:
         """Move idle pieces of `arena` so that `size` bytes are free in one piece, if enough are free and a way
         is found; whether it did (lock held). See [Note: host pool compaction]."""
         holes = self.pool.holes(arena)

@@ -308,7 +308,7 @@ class TensorSwapper:
         host = self._fetch_host(part, wait_for_memory)
         return _DeviceFetch(self, part, host) if tier == Tier.DEVICE else host
 
-    def _fetch_host(self, part: Partition, wait_for_memory: bool) -> IOFuture:
+    def _fetch_host(self, part: Partition, wait_for_memory: bool, compact: bool = False) -> IOFuture:
         with self._lock:
             self._clock += 1
             part.last_used = self._clock
@@ -320,7 +320,7 @@ class TensorSwapper:
             need_buffer = part.host_state is HostState.NONE
         if need_buffer:
             try:
-                buf = self.cache.alloc(part, wait=wait_for_memory)  # may evict others, wait for write-backs
+                buf = self.cache.alloc(part, wait=wait_for_memory, compact=compact)  # may evict, wait for writes
             except BaseException:
                 with self._lock:
                     part.waiters = [f for f in part.waiters if f is not fut]
@@ -338,19 +338,21 @@ class TensorSwapper:
                     raise
         return fut
 
-    def prefetch(self, part: Partition, tier: Tier = Tier.DEVICE, *, park: bool = False) -> IOFuture | None:
+    def prefetch(self, part: Partition, tier: Tier = Tier.DEVICE, *, park: bool = False,
+                 compact: bool = False) -> IOFuture | None:
         """Start a fetch that never blocks: None (nothing started) when host memory is not free now.
 
         Toward the device, the copy starts now if the host bytes are in, else at the next `acquire` or
         `prefetch` after they arrive; it is skipped when the device has no room (see [Note: device budget]).
         `park`: when there is no room, the read starts once a write-back frees it, unless `forget_parked`
-        comes first (see [Note: parked read-aheads]).
+        comes first (see [Note: parked read-aheads]). `compact`: when the bytes are free but in pieces, move
+        idle pieces to join them, as a fetch that waits does ([Note: host pool compaction]).
         """
         _check_tier(tier)
         if tier == Tier.DEVICE and part.reached(Tier.DEVICE):
             return done_future()
         try:
-            fut = self._fetch_host(part, wait_for_memory=False)
+            fut = self._fetch_host(part, wait_for_memory=False, compact=compact)
         except BudgetError:
             if park:
                 with self._lock:
