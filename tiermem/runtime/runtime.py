@@ -149,7 +149,7 @@ class Runtime:
 
     # [Note: the state before step()]
     # A lazy update's reads start when `step()` records it, and the first unit of the next forward then waits
-    # for the whole of its state: on the training bench 50 ms for `wte+wpe` each step, while the last units of
+    # for the whole of its state: on the training bench 25-50 ms for `wte+wpe` each step, while the last units of
     # backward had computed with the disk idle. The loop's shape says when a step comes: it follows as many
     # backward passes as the last one did (one; two with 2-step accumulation). In that backward, once the
     # window reaches past the pass's end, the next pass's first unit has its state read ahead (parked
@@ -159,7 +159,8 @@ class Runtime:
     # is recorded such a state is needed at its unit's next entry, like a recorded one, so reading it evicts
     # only what is needed later, and the parameters the update comes with stay (before, a state read ahead
     # counted as needed by nobody, evicted anything, and `wte+wpe` and `h.0` were read again at once). A
-    # wrong guess costs a read: the state is read ahead only, and goes first when room is needed.
+    # wrong guess costs a read: once no step is expected the state is needed by nobody again, and of what was
+    # read ahead it is evicted first.
     def _step_follows(self) -> bool:
         """Whether the loop's `step()` is expected before the next forward: in, or after, the backward that
         the last recorded step came after as many of."""
