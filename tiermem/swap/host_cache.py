@@ -398,7 +398,7 @@ class HostCache:
 
         From the partition's arena; a saved activation that finds its arena full of activations in use
         (backward can hold more at once than activations.buffer) overflows into the rest of the pool.
-        `compact`: without `wait`, still move idle pieces once ([Note: host pool compaction])."""
+        `compact`: without `wait`, still move idle pieces as a fetch that waits does ([Note: host pool compaction])."""
         arenas = [part.arena]  # the arenas it looks for room in: the room it frees there is its own
         with self.lock:
             self.allocating[part.arena] += 1  # parked read-aheads wait ([Note: parked read-aheads])
@@ -427,7 +427,7 @@ class HostCache:
                     pass
                 if (wait or compact) and not compacted:
                     compacted = True
-                    if self.compact(part.size, arena):
+                    if self._compact(part.size, arena):
                         continue
                 victims = sorted((p for p in self.partitions.values() if p.home is Tier.NVME and p is not part
                                   and p.host is not None and p.host.arena == arena
@@ -446,7 +446,7 @@ class HostCache:
                 elif arena == "activations":
                     arena = self._overflow(arenas)  # see the docstring
                     continue
-                elif (wait or compact) and self.compact(part.size, arena):  # with nothing left to evict
+                elif (wait or compact) and self._compact(part.size, arena):  # with nothing left to evict
                     continue
                 else:
                     raise self._no_room(part, arena)
@@ -464,7 +464,7 @@ class HostCache:
             arenas.append("main")
         return "main"
 
-    def compact(self, size: int, arena: str) -> bool:
+    def _compact(self, size: int, arena: str) -> bool:
         """Move idle pieces of `arena` so that `size` bytes are free in one piece, if enough are free and a way
         is found; whether it did (lock held). See [Note: host pool compaction]."""
         holes = self.pool.holes(arena)
