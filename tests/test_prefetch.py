@@ -223,6 +223,12 @@ def test_plan_resident_keeps_the_largest_units_that_leave_room_to_stream() -> No
     assert plan_resident({0: 10, 1: 10}, 100, 2) == ({0, 1}, 2)  # everything fits: everything kept
     pinned, depth = plan_resident({k: 10 for k in range(10)}, 75, 3)
     assert len(pinned) == 5 and depth == 1  # 50 kept leaves 25: the unit computing and 1 ahead
+    # the bytes read with each unit (its layers' KV blocks) count in the room to stream, not in what keeping saves
+    layers = range(2, 26)
+    assert plan_resident(sizes, 335, 2, {k: 1 for k in layers}) == ({0, 1}, 1)  # one sequence's blocks
+    assert plan_resident(sizes, 335, 2, {k: 37 for k in layers}) == (set(), 2)  # 32 sequences': 206 + 2 x 87
+    pinned, depth = plan_resident({k: 10 for k in range(10)}, 75, 3, {k: 5 for k in range(10)})
+    assert len(pinned) == 4 and depth == 1  # 40 kept leaves 35: two units of 10 + 5 at a time
 
 
 def test_resident_units_are_not_read_again(tmp_path) -> None:

@@ -296,6 +296,21 @@ class KVStore:
     def bytes_now(self) -> int:
         return sum(blk.part.size for layer in list(self.layers) for blk in layer.blocks)
 
+    def streamed(self) -> dict[int, int]:
+        """unit -> bytes of the active cache's blocks read from NVMe with it (those not kept in host memory),
+        for the resident plan (see [Note: resident units])."""
+        out: dict[int, int] = {}
+        group = self.active
+        if group is None or self.closed:
+            return out
+        for layer in list(group.layers):
+            if layer.unit is None:
+                continue
+            n = sum(blk.part.size for blk in layer.blocks if blk.part.home is Tier.NVME and not blk.kept)
+            if n:
+                out[layer.unit] = out.get(layer.unit, 0) + n
+        return out
+
     def collect(self) -> None:
         """Give back the blocks of the caches the program dropped."""
         while self.dead:

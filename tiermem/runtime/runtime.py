@@ -70,6 +70,7 @@ class Runtime:
                                  lambda i: units[i].nbytes)
         self._depth = self.schedule.depth  # as configured; a resident plan may lower schedule.depth
         self._planned_for: list[int] | None = None  # the recorded order the resident plan was made for
+        self._planned_follow: dict[int, int] = {}  # and the KV bytes read with each unit it saw
         self.resident_bytes = 0  # bytes of the units the plan keeps in host memory
         self.handles: list[RemovableHandle] = []  # every hook we registered, removed on exit
         self._pass_depth = 0  # nesting of the model's own forward; a pass ends when it returns to 0
@@ -362,7 +363,8 @@ class Runtime:
     def _finish_pass(self, *, trained: bool = False) -> None:
         self.passes += 1
         window = self.schedule.on_pass_end()
-        if self.schedule.order is not self._planned_for:
+        if self.schedule.order is not self._planned_for or (
+                self.kv is not None and self.kv.streamed() != self._planned_follow):
             self._plan_resident()
             window = self.schedule.window() if self.schedule.order else window
         # after a backward the optimizer's step comes next and changes these units: a device copy made now
@@ -370,33 +372,38 @@ class Runtime:
         self._prefetch(window, Tier.HOST if trained and self.optimizer is not None else Tier.DEVICE)
 
     def _plan_resident(self) -> None:
-        """Choose the units kept in host memory between passes for the order just recorded; see
-        [Note: resident units] in schedule.py. Only for inference: training shares the budget with
-        gradients and optimizer state, whose reads need that room."""
+        """Choose the units kept in host memory between passes for the order just recorded and the KV blocks
+        read with them; see [Note: resident units] in schedule.py. Only for inference: training shares the
+        budget with gradients and optimizer state, whose reads need that room."""
         order = self.schedule.order
         self._planned_for = order
-        for j in self.schedule.resident:
+        follow = self.kv.streamed() if self.kv is not None else {}
+        self._planned_follow = follow
+        resident: set[int] = set()
+        depth = self._depth
+        room: int | None = None
+        sizes: dict[int, int] = {}
+        if (order and self.optimizer is None and self.prefetch_enabled
+                and self.swapper.config.prefetch.keep_resident):
+            used = set(order)
+            sizes = {u.index: u.partition.size for u in self.units
+                     if u.index in used and u.partition.home is Tier.NVME}
+            fixed = sum(p.size for p in self.swapper.partitions.values() if p.home is not Tier.NVME)
+            if self.kv is not None:
+                fixed += self.kv.tail_bytes  # partial blocks kept in host memory
+            resident, depth = plan_resident(sizes, self.swapper.partition_budget - fixed, self._depth, follow)
+            room = self.swapper.partition_budget - fixed - sum(sizes[j] for j in resident)
+        before = self.schedule.resident
+        for j in before - resident:
             self.swapper.keep_resident(self.units[j].partition, False)
-        self.schedule.resident = set()
-        self.schedule.stream_room = None
-        self.schedule.depth = self._depth
-        self.resident_bytes = 0
-        if (not order or self.optimizer is not None or not self.prefetch_enabled
-                or not self.swapper.config.prefetch.keep_resident):
-            return
-        used = set(order)
-        sizes = {u.index: u.partition.size for u in self.units
-                 if u.index in used and u.partition.home is Tier.NVME}
-        fixed = sum(p.size for p in self.swapper.partitions.values() if p.home is not Tier.NVME)
-        resident, depth = plan_resident(sizes, self.swapper.partition_budget - fixed, self._depth)
-        for j in resident:
+        for j in resident - before:
             self.swapper.keep_resident(self.units[j].partition, True)
         self.schedule.resident = resident
         self.schedule.depth = depth
-        self.resident_bytes = sum(sizes[j] for j in resident)
-        if resident:
-            self.schedule.stream_room = self.swapper.partition_budget - fixed - self.resident_bytes
-        if resident:
+        self.schedule.follow = follow
+        self.schedule.stream_room = room if resident or follow else None
+        self.resident_bytes = sum(self.units[j].partition.size for j in resident)
+        if resident != before:
             log.info("keeping %d of %d units (%s) in host memory between passes; prefetch depth %d",
                      len(resident), len(sizes), format_size(self.resident_bytes), depth)
 
@@ -677,6 +684,7 @@ class Runtime:
         coming = self.schedule.next_pass() if self._step_follows() else []  # [Note: the state before step()]
         if self._in_backward:
             coming = coming[:1]
+        window = self._fitting(window)
         for j in window:
             part = self.units[j].partition
             extra = self.optimizer.pending_parts(j) if self.optimizer is not None else []
@@ -695,16 +703,40 @@ class Runtime:
             if to is Tier.DEVICE:
                 self._on_device.add(j)
         if self.schedule.resident and window:  # resident units fill window places: read past them
-            room = self.schedule.stream_room
-            if room is not None:  # what the streamed units computing hold is not free for reading ahead
-                room -= sum(u.partition.size for u in self.units
-                            if u.depth > 0 and u.index not in self.schedule.resident)
-            for j in self.schedule.read_ahead(room):
+            for j in self.schedule.read_ahead(self._room_to_stream()):
                 part = self.units[j].partition
                 if j not in window and not self.swapper.is_on_the_way(part, Tier.HOST):
                     self.swapper.prefetch(part, Tier.HOST)
         if self.kv is not None and window:
             self.kv.prefetch(window)  # the KV blocks of the layers these units compute
+
+    def _need(self, j: int) -> int:
+        """The bytes unit `j` holds while it computes: its own, unless kept resident, and those read with it."""
+        own = 0 if j in self.schedule.resident else self.units[j].partition.size
+        return own + self.schedule.follow.get(j, 0)
+
+    def _room_to_stream(self) -> int | None:
+        """What the resident plan leaves for the units read in, less what the streamed units computing hold;
+        None without a plan."""
+        room = self.schedule.stream_room
+        if room is None:
+            return None
+        return room - sum(self._need(u.index) for u in self.units if u.depth > 0)
+
+    def _fitting(self, window: list[int]) -> list[int]:
+        """The window cut where the bytes read with its units (KV blocks) pass the room to stream; its first unit
+        is always kept. Without this, generation under a budget that holds one layer and its blocks beside the
+        one computing read two ahead, and the second's reads evicted blocks the first then read again."""
+        room = self._room_to_stream() if self.schedule.follow else None
+        if room is None:
+            return window
+        out: list[int] = []
+        for j in window:
+            room -= self._need(j)
+            if out and room < 0:
+                break
+            out.append(j)
+        return out
 
     def follow(self, part: object, unit: int) -> None:
         """Evict `part` (a KV block) by the next use of unit `unit`, as the unit's own partition is. While that
