@@ -188,11 +188,12 @@ def test_each_decoding_step_reads_a_block_once(tmp_path, compute_device, monkeyp
 def test_the_resident_plan_counts_the_kv_blocks_read_with_each_layer(tmp_path, compute_device) -> None:
     """A large tied embedding is kept in host memory between passes while the layers stream alone; once each
     layer reads its KV blocks with it, keeping it would leave room for one layer and its blocks at a time, so
-    the plan lets it stream (see [Note: resident units]). A new, small cache has it kept again. Before, the plan
+    the plan lets it stream (see [Note: resident units]). A new, small cache has it kept again. Each pass begins
+    with a plan made for the blocks as they are, partial ones kept in host memory included. Before, the plan
     saw the weights only and kept it throughout: GPT-2 medium's decoding steps at B = 32 under 320 MiB took
     0.81 s against 0.69 s."""
     model = models.gpt2(layers=8, width=128, vocab=4000)
-    small, big = prompts(1, 8), prompts(16, 8)
+    small, big = prompts(1, 8), prompts(16, 16)  # the prefill fills whole blocks: no partial one yet
     ref = generate(model, *big, 40)
     with tiered_offload(model, **cfg(tmp_path, "nvme", **{"kv.block_tokens": 16, "memory.host_budget": "4MiB"})) as tm:
         rt = tm.runtime
@@ -200,7 +201,13 @@ def test_the_resident_plan_counts_the_kv_blocks_read_with_each_layer(tmp_path, c
         generate(model, *small, 4)  # records the order; the cache of one sequence is small
         assert rt.resident_bytes >= wte
         kept: list[int] = []
-        hook = model.register_forward_pre_hook(lambda m, a: kept.append(rt.resident_bytes))
+        current: list[bool] = []
+
+        def pass_begins(module, args) -> None:  # type: ignore[no-untyped-def]
+            kept.append(rt.resident_bytes)
+            current.append(rt._planned_kv == rt._kv_plan_inputs())
+
+        hook = model.register_forward_pre_hook(pass_begins)
         got = generate(model, *big, 40)
         hook.remove()
         generate(model, *small, 4)
@@ -209,4 +216,23 @@ def test_the_resident_plan_counts_the_kv_blocks_read_with_each_layer(tmp_path, c
     assert torch.equal(got, ref)
     assert kept[0] >= wte  # the prefill: no blocks yet
     assert all(k < wte for k in kept[len(kept) // 2:]), kept  # decoding with the blocks of 16 sequences
+    assert all(current[1:]), current  # (the first pass begins before the new cache has a block)
     assert s["kv_bytes_read"] > 0
+
+
+def test_the_resident_plan_is_made_again_when_partial_blocks_come_to_be_kept(tmp_path) -> None:
+    """A prefill that fills whole blocks leaves no partial one; the first decoding step makes one per layer, each
+    kept in host memory, and nothing read from NVMe changes. The next pass's plan counts them in what the host
+    holds (before, it was made for the budget without them)."""
+    model = models.gpt2(layers=8, width=128, vocab=4000)
+    ids, mask = prompts(4, 16)
+    settings = cfg(tmp_path, "nvme", **{"kv.block_tokens": 8, "memory.host_budget": "4MiB"})
+    with tiered_offload(model, **settings) as tm:
+        rt = tm.runtime
+        generate(model, *prompts(1, 8), 4)  # records the order
+        seen: list[tuple[int, int]] = []
+        hook = model.register_forward_pre_hook(lambda m, a: seen.append((rt._planned_kv[1], rt.kv.tail_bytes)))
+        generate(model, ids, mask, 6)
+        hook.remove()
+    assert any(tails > 0 for _, tails in seen[1:]), seen  # partial blocks were kept
+    assert all(planned == tails for planned, tails in seen[1:]), seen

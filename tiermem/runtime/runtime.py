@@ -70,7 +70,7 @@ class Runtime:
                                  lambda i: units[i].nbytes)
         self._depth = self.schedule.depth  # as configured; a resident plan may lower schedule.depth
         self._planned_for: list[int] | None = None  # the recorded order the resident plan was made for
-        self._planned_follow: dict[int, int] = {}  # and the KV bytes read with each unit it saw
+        self._planned_kv: tuple[dict[int, int], int] = ({}, 0)  # and the KV blocks it saw (see _kv_plan_inputs)
         self.resident_bytes = 0  # bytes of the units the plan keeps in host memory
         self.handles: list[RemovableHandle] = []  # every hook we registered, removed on exit
         self._pass_depth = 0  # nesting of the model's own forward; a pass ends when it returns to 0
@@ -364,7 +364,7 @@ class Runtime:
         self.passes += 1
         window = self.schedule.on_pass_end()
         if self.schedule.order is not self._planned_for or (
-                self.kv is not None and self.kv.streamed() != self._planned_follow):
+                self.kv is not None and self._kv_plan_inputs() != self._planned_kv):
             self._plan_resident()
             window = self.schedule.window() if self.schedule.order else window
         # after a backward the optimizer's step comes next and changes these units: a device copy made now
@@ -377,8 +377,8 @@ class Runtime:
         budget with gradients and optimizer state, whose reads need that room."""
         order = self.schedule.order
         self._planned_for = order
-        follow = self.kv.streamed() if self.kv is not None else {}
-        self._planned_follow = follow
+        self._planned_kv = self._kv_plan_inputs()
+        follow, tails = self._planned_kv
         resident: set[int] = set()
         depth = self._depth
         room: int | None = None
@@ -389,8 +389,7 @@ class Runtime:
             sizes = {u.index: u.partition.size for u in self.units
                      if u.index in used and u.partition.home is Tier.NVME}
             fixed = sum(p.size for p in self.swapper.partitions.values() if p.home is not Tier.NVME)
-            if self.kv is not None:
-                fixed += self.kv.tail_bytes  # partial blocks kept in host memory
+            fixed += tails  # the KV cache's partial blocks, kept in host memory
             resident, depth = plan_resident(sizes, self.swapper.partition_budget - fixed, self._depth, follow)
             room = self.swapper.partition_budget - fixed - sum(sizes[j] for j in resident)
         before = self.schedule.resident
@@ -406,6 +405,11 @@ class Runtime:
         if resident != before:
             log.info("keeping %d of %d units (%s) in host memory between passes; prefetch depth %d",
                      len(resident), len(sizes), format_size(self.resident_bytes), depth)
+
+    def _kv_plan_inputs(self) -> tuple[dict[int, int], int]:
+        """What the resident plan needs of the KV cache: the bytes of blocks each unit reads with it from NVMe, and
+        the bytes of partial blocks kept in host memory (the plan is made again when either changes)."""
+        return (self.kv.streamed(), self.kv.tail_bytes) if self.kv is not None else ({}, 0)
 
     # -- acquire / release --------------------------------------------------------------------------
     def enter(self, i: int) -> None:
