@@ -374,7 +374,8 @@ class Runtime:
     def _plan_resident(self) -> None:
         """Choose the units kept in host memory between passes for the order just recorded and the KV blocks
         read with them; see [Note: resident units] in schedule.py. Only for inference: training shares the
-        budget with gradients and optimizer state, whose reads need that room."""
+        budget with gradients and optimizer state, whose reads need that room. The room left to stream is
+        known to the window with prefetch.keep_resident off too, so KV blocks do not overrun it (`_fitting`)."""
         order = self.schedule.order
         self._planned_for = order
         self._planned_kv = self._kv_plan_inputs()
@@ -383,14 +384,14 @@ class Runtime:
         depth = self._depth
         room: int | None = None
         sizes: dict[int, int] = {}
-        if (order and self.optimizer is None and self.prefetch_enabled
-                and self.swapper.config.prefetch.keep_resident):
+        if order and self.optimizer is None and self.prefetch_enabled:
             used = set(order)
             sizes = {u.index: u.partition.size for u in self.units
                      if u.index in used and u.partition.home is Tier.NVME}
             fixed = sum(p.size for p in self.swapper.partitions.values() if p.home is not Tier.NVME)
             fixed += tails  # the KV cache's partial blocks, kept in host memory
-            resident, depth = plan_resident(sizes, self.swapper.partition_budget - fixed, self._depth, follow)
+            if self.swapper.config.prefetch.keep_resident:
+                resident, depth = plan_resident(sizes, self.swapper.partition_budget - fixed, self._depth, follow)
             room = self.swapper.partition_budget - fixed - sum(sizes[j] for j in resident)
         before = self.schedule.resident
         for j in before - resident:
