@@ -38,7 +38,7 @@ class Schedule:
         self.misses = 0  # acquisitions that did not (and any made while recording after the first pass)
         self.retraces = 0  # times the order was recorded again
         self.resident: set[int] = set()  # units kept in host memory between passes (see plan_resident)
-        self.stream_room: int | None = None  # with resident units: the bytes left for the units read in
+        self.stream_room: int | None = None  # with resident units or KV blocks: the bytes left for the units read in
         self.follow: dict[int, int] = {}  # unit -> bytes read with it (its KV blocks), as the plan saw them
 
     @property
@@ -174,8 +174,9 @@ def plan_resident(sizes: dict[int, int], budget: int, depth: int,
     `follow` bytes, its layers' KV blocks on NVMe in generation (see [Note: tiered KV cache]). They are read
     on every pass whatever is kept, so they count in the room to stream and not as savings. Without them,
     generation at a large batch kept GPT-2 medium's embedding under 320 MiB and left room for one layer and
-    its blocks at a time: reads and compute took turns, and each decoding step took a quarter longer than
-    with nothing kept. The runtime plans again whenever those bytes change (a block filled).
+    its blocks at a time: reads and compute took turns, and each decoding step took about a sixth longer than
+    with nothing kept. The runtime plans again whenever those bytes change (a block filled), and when the
+    partial blocks kept in host memory do (they take budget the plan counted as free).
 
     Reads go by the bytes left, not by the window: the runtime reads ahead as many units as fit beside the
     streamed units computing (`Schedule.read_ahead(room)`). The kept units often come first in a pass (a
