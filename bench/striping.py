@@ -87,6 +87,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host-budget", default="256MiB")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.forwards < 1:
+        p.error(f"--forwards {args.forwards}: each round times the striped forward at least once; give 1 or more")
     made = args.second is None
     if made:
         mount = subprocess.run(["bash", os.path.join(HERE, "ramdrive.sh"), "up"], capture_output=True, text=True,
