@@ -354,7 +354,8 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
             }
             if tm is not None:
                 st = tm.stats()
-                sample.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds")})
+                sample.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds",
+                                                  "update_wait_seconds")})
                 sample.update({k: v for k, v in st.items() if k.startswith("activations_")})
                 sample["peak_host_bytes"] = st["peak_bytes"]["host"]
                 sample["peak_device_bytes"] = st["peak_bytes"]["device"]
@@ -508,7 +509,7 @@ def summarize(runs: list[dict[str, Any]], variants: list[Variant]) -> list[dict[
             "torch_threads": sorted({r["torch_threads"] for r in ok}),
         })
         if v.kind == "tiermem":
-            for key in ("bytes_read", "bytes_written", "stall_seconds"):
+            for key in ("bytes_read", "bytes_written", "stall_seconds", "update_wait_seconds"):
                 entry[f"{key}_mean"] = statistics.fmean(t[key] for t in timed)
             entry["bytes_moved_mean"] = entry["bytes_read_mean"] + entry["bytes_written_mean"]
             entry["stall_seconds_std"] = mean_std([t["stall_seconds"] for t in timed])[1]
@@ -679,7 +680,7 @@ def print_header(system: dict[str, Any], versions: dict[str, str], model: dict[s
 def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dict[str, Any] | None,
                  losses: list[dict[str, Any]], host_budget: int) -> None:
     head = (f"{'variant':<27} {'s/step':>15} {'steps/s':>7} {'opt s':>6} {'others':>6} {'peak RSS GB':>11} "
-            f"{'steps RSS':>9} {'moved GB':>8} {'disk r/w GB':>11} {'stall s':>7} {'setup s':>7}")
+            f"{'steps RSS':>9} {'moved GB':>8} {'disk r/w GB':>11} {'stall s':>7} {'upd wait':>8} {'setup s':>7}")
     print(head)
     print("-" * len(head))
     for s in summary:
@@ -694,10 +695,12 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
         print(f"{lead} {t:>15} {s['steps_per_second']:>7.3f} {s['optimizer_seconds_mean']:>6.3f} {others:>6} "
               f"{_gb(s['peak_rss_bytes_max']):>11} {_gb(s['steps_peak_rss_bytes_max']):>9} "
               f"{_gb(s['bytes_moved_mean']) if tm else '-':>8} {disk:>11} "
-              f"{(format(s['stall_seconds_mean'], '.3f') if tm else '-'):>7} {s['setup_seconds_mean']:>7.1f}")
+              f"{(format(s['stall_seconds_mean'], '.3f') if tm else '-'):>7} "
+              f"{(format(s['update_wait_seconds_mean'], '.3f') if tm else '-'):>8} {s['setup_seconds_mean']:>7.1f}")
     print("opt s: the optimizer step alone; others: CPU cores other processes kept busy during the steps; peak RSS: "
           "ru_maxrss of the process (set-up and steps); steps RSS: peak over the steps alone; moved GB: tiermem "
-          "stats() bytes_read + bytes_written per step; disk r/w: /proc/self/io per step; stall s: tiermem's per step")
+          "stats() bytes_read + bytes_written per step; disk r/w: /proc/self/io per step; stall s: tiermem's per step "
+          "(forward and backward waiting for parameters); upd wait: its updates waiting for their reads, per step")
     print()
     if bw:
         print(f"tiermem io_uring on the swap disk: read {bw['read_gbps']:.2f} ± {bw['read_gbps_std']:.2f} GB/s, "

@@ -859,3 +859,29 @@ def test_the_backward_before_a_step_reads_the_next_forwards_first_state_ahead(tm
             opt.step()
         assert read_ahead == [False] * accumulate + ([False] * (accumulate - 1) + [True]) * 2
     assert losses == run_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, accumulate=accumulate)
+
+
+def test_update_waits_are_counted_where_the_updates_run(tmp_path) -> None:
+    """`update_wait_seconds` counts the time updates waited for their partitions' reads: none before any update,
+    some once a recorded update has read its state back from NVMe at its unit's entry (time that
+    `stall_seconds` does not hold), and none again after reset_stats(). Without an optimizer it is 0."""
+    model = mlp()
+    data = batches(2)
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), **cfg(tmp_path)) as tm:
+        sw, opt = tm.swapper, tm.optimizer
+        tm.reset_stats()
+        opt.zero_grad()
+        tm.backward(loss_fn(model, *data[0]))
+        assert tm.stats()["update_wait_seconds"] == 0.0  # nothing updated yet
+        opt.step()  # recorded: applied at each unit's next entry
+        for st in opt.units:
+            if st.state is not None:
+                sw.evict(st.state).wait()
+        tm.reset_stats()
+        opt.zero_grad()
+        tm.backward(loss_fn(model, *data[1]))
+        assert tm.stats()["update_wait_seconds"] > 0.0
+        tm.reset_stats()
+        assert tm.stats()["update_wait_seconds"] == 0.0
+    with tiered_offload(mlp(), **cfg(tmp_path / "inference")) as tm:
+        assert tm.stats()["update_wait_seconds"] == 0.0

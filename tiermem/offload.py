@@ -123,7 +123,9 @@ class OffloadHandle:
         """Counters since entry or the last `reset_stats()`.
 
         Keys: ``peak_bytes`` ({'device', 'host', 'nvme'}), ``now_bytes`` (same keys), ``bytes_read``,
-        ``bytes_written``, ``stall_seconds`` (time forward waited for parameters), ``prefetch_hits``,
+        ``bytes_written``, ``stall_seconds`` (time forward waited for parameters), ``update_wait_seconds``
+        (time the optimizer's updates waited for their state, gradients and parameters to be read, wherever they
+        ran: a recorded update's when its unit is entered is not in ``stall_seconds``), ``prefetch_hits``,
         ``prefetch_misses``, ``schedule_misses`` (acquisitions that were not the unit the recorded order
         predicted), ``retraces`` (times the execution order was recorded again), ``passes``
         (top-level forwards), ``units`` (how many), ``largest_unit_bytes`` and ``resident_bytes`` (units kept in
@@ -153,6 +155,7 @@ class OffloadHandle:
             "bytes_read": s.bytes_read,
             "bytes_written": s.bytes_written,
             "stall_seconds": rt.stall_seconds,
+            "update_wait_seconds": rt.optimizer.wait_seconds if rt.optimizer is not None else 0.0,
             "prefetch_hits": rt.prefetch_hits,
             "prefetch_misses": rt.prefetch_misses,
             "schedule_misses": rt.schedule.misses,

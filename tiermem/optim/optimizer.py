@@ -42,6 +42,7 @@ unit's accumulators are given back as soon as its update is applied.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +140,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.pending: dict[int, tuple[StepSettings, frozenset[str]]] = {}  # unit -> its recorded update
         self.on_record = on_record  # called when step() has recorded updates: start reading what comes first
         self.tracer: Tracer | None = None  # see [Note: traces] in tiermem/trace.py
+        self.wait_seconds = 0.0  # time updates waited for their partitions' reads (tm.stats' update_wait_seconds)
         # several ranks: the unit whose gradients' reduce-scatter is in flight (see finish_grads)
         self._reducing: tuple[UnitOptimState, list[str], torch.Tensor, Reducing] | None = None
         self.index_of: dict[int, int] = {}  # id(param) -> index in torch's state_dict numbering
@@ -634,9 +636,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         views: dict[str, dict[str, torch.Tensor]] = {}
         try:
             waited = self.tracer.now() if self.tracer is not None else 0.0
+            t0 = time.perf_counter()
             for part in self._update_order(st):
                 views[part.name] = sw.acquire(part, Tier.HOST)
                 held.append(part)
+            self.wait_seconds += time.perf_counter() - t0
             if self.tracer is not None and self.tracer.now() - waited > 1.0:  # its state's reads were waited for
                 self.tracer.span("wait", f"wait state {st.unit.name}", waited, unit=st.unit.index,
                                  partitions=[p.name for p in held], kind="state")

@@ -763,6 +763,8 @@ class Runtime:
         if self.kv is not None:
             self.kv.reset_stats()
         self.stall_seconds = 0.0
+        if self.optimizer is not None:
+            self.optimizer.wait_seconds = 0.0
         self.prefetch_hits = self.prefetch_misses = self.passes = 0
         self.schedule.hits = self.schedule.misses = self.schedule.retraces = 0
 
