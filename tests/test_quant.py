@@ -59,15 +59,26 @@ def _settings(tmp_path: Path, storage: str, budget: str = "4MiB") -> dict[str, A
 
 
 def _run(tmp_path: Path, ref: torch.nn.Module, ckpt: str, storage: str, ids: torch.Tensor,
-         budget: str = "4MiB") -> tuple[torch.Tensor, dict[str, Any]]:
-    """Two passes from the checkpoint with `storage` (the second measured); its logits and stats."""
+         budget: str = "4MiB", passes: int = 4) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One pass from the checkpoint with `storage`, then `passes` measured; the last one's logits, and the stats
+    of the measured ones. A read is counted when it completes, so the reads in flight are waited for at both ends
+    of the measurement: a pass's window for the next one, in flight at the reset, otherwise counted on one
+    side or the other by timing (under load a single pass of int8 read 0.40 of full's instead of 0.27)."""
+
+    def settle() -> None:
+        for part in list(tm.swapper.partitions.values()):
+            tm.swapper.wait_idle(part)
+
     with torch.device("meta"):
         model = type(ref)(ref.config).eval()
     with tiered_offload(model, checkpoint=ckpt, restore=False, **_settings(tmp_path, storage, budget)) as tm:
         with torch.no_grad():
             model(ids)
+            settle()
             tm.reset_stats()
-            logits = model(ids).logits
+            for _ in range(passes):
+                logits = model(ids).logits
+            settle()
         return logits, tm.stats()
 
 
@@ -84,7 +95,8 @@ def test_compressed_weights_read_fewer_bytes_and_compute_close_logits(tmp_path, 
         want = ref(ids).logits
     full, s_full = _run(tmp_path, ref, ckpt, "full", ids, budget="1MiB")
     assert torch.equal(full, want)
-    assert s_full["bytes_read"] >= s_full["peak_bytes"]["nvme"]  # every unit streamed in the pass
+    # the budget streams the model: each of the 4 passes reads most of it again (measured: 0.91 of it)
+    assert s_full["bytes_read"] >= 0.75 * 4 * s_full["peak_bytes"]["nvme"]
     for storage, share, err, budget in (("int8", 0.27, 0.03, "320KiB"), ("int4", 0.15, 0.4, "192KiB")):
         got, s = _run(tmp_path, ref, ckpt, storage, ids, budget=budget)
         assert s["peak_bytes"]["nvme"] <= (share + 0.1) * s_full["peak_bytes"]["nvme"], (storage, s, s_full)
