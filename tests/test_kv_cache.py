@@ -240,3 +240,23 @@ def test_the_resident_plan_is_made_again_when_partial_blocks_come_to_be_kept(tmp
         hook.remove()
     assert any(tails > 0 for _, tails in seen[1:]), seen  # partial blocks were kept
     assert all(planned == tails for planned, tails in seen[1:]), seen
+
+
+def test_the_resident_plan_is_made_again_as_blocks_homed_on_the_host_grow(tmp_path) -> None:
+    """kv.tier auto homes the blocks on the host while they fit: none is read from NVMe and no partial block is
+    kept, yet each takes budget. Every pass's plan counts the blocks homed there (before, the first pass's plan
+    stayed, keeping units in room the blocks had taken since)."""
+    model = models.gpt2()
+    ids, mask = prompts(4, 10)
+    with tiered_offload(model, **cfg(tmp_path, "auto")) as tm:
+        rt = tm.runtime
+        generate(model, *prompts(1, 8), 4)  # records the order
+        seen: list[tuple[int, int, int]] = []
+        hook = model.register_forward_pre_hook(lambda m, a: seen.append((rt._planned_kv[2], rt.kv.host_bytes,
+                                                                          rt.resident_bytes)))
+        generate(model, ids, mask, 12)
+        hook.remove()
+        assert rt.kv.streamed() == {} and rt.kv.tail_bytes == 0  # nothing else the plan looks at changed
+    assert seen[1][1] < seen[-1][1], seen  # the blocks on the host grew
+    assert all(planned == host for planned, host, _ in seen[1:]), seen
+    assert seen[1][2] > seen[-1][2], seen  # and the plan kept fewer units as they did

@@ -70,7 +70,7 @@ class Runtime:
                                  lambda i: units[i].nbytes)
         self._depth = self.schedule.depth  # as configured; a resident plan may lower schedule.depth
         self._planned_for: list[int] | None = None  # the recorded order the resident plan was made for
-        self._planned_kv: tuple[dict[int, int], int] = ({}, 0)  # and the KV blocks it saw (see _kv_plan_inputs)
+        self._planned_kv: tuple[dict[int, int], int, int] = ({}, 0, 0)  # and the KV blocks it saw (_kv_plan_inputs)
         self.resident_bytes = 0  # bytes of the units the plan keeps in host memory
         self.handles: list[RemovableHandle] = []  # every hook we registered, removed on exit
         self._pass_depth = 0  # nesting of the model's own forward; a pass ends when it returns to 0
@@ -379,7 +379,7 @@ class Runtime:
         order = self.schedule.order
         self._planned_for = order
         self._planned_kv = self._kv_plan_inputs()
-        follow, tails = self._planned_kv
+        follow, tails, _ = self._planned_kv  # the host-homed blocks are among the partitions counted below
         resident: set[int] = set()
         depth = self._depth
         room: int | None = None
@@ -407,10 +407,12 @@ class Runtime:
             log.info("keeping %d of %d units (%s) in host memory between passes; prefetch depth %d",
                      len(resident), len(sizes), format_size(self.resident_bytes), depth)
 
-    def _kv_plan_inputs(self) -> tuple[dict[int, int], int]:
-        """What the resident plan needs of the KV cache: the bytes of blocks each unit reads with it from NVMe, and
-        the bytes of partial blocks kept in host memory (the plan is made again when either changes)."""
-        return (self.kv.streamed(), self.kv.tail_bytes) if self.kv is not None else ({}, 0)
+    def _kv_plan_inputs(self) -> tuple[dict[int, int], int, int]:
+        """What the resident plan needs of the KV cache: the bytes of blocks each unit reads with it from NVMe, of
+        partial blocks kept in host memory, and of blocks homed there (kv.tier auto or cpu); the plan is made
+        again when any of them changes. Without the last, kv.tier auto kept the plan its first pass made while its
+        blocks filled the room that plan had counted as free."""
+        return (self.kv.streamed(), self.kv.tail_bytes, self.kv.host_bytes) if self.kv is not None else ({}, 0, 0)
 
     # -- acquire / release --------------------------------------------------------------------------
     def enter(self, i: int) -> None:

@@ -176,7 +176,8 @@ def plan_resident(sizes: dict[int, int], budget: int, depth: int,
     generation at a large batch kept GPT-2 medium's embedding under 320 MiB and left room for one layer and
     its blocks at a time: reads and compute took turns, and each decoding step took about a sixth longer than
     with nothing kept. The runtime plans again whenever those bytes change (a block filled), and when the
-    partial blocks kept in host memory do (they take budget the plan counted as free).
+    partial blocks kept in host memory or the blocks homed there do (they take budget the plan counted as
+    free).
 
     Reads go by the bytes left, not by the window: the runtime reads ahead as many units as fit beside the
     streamed units computing (`Schedule.read_ahead(room)`). The kept units often come first in a pass (a
