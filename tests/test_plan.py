@@ -15,6 +15,7 @@ from torch import nn
 from tests import models
 from tiermem import plan, tiered_offload
 from tiermem.cli import main
+from tiermem.errors import OffloadError
 
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
 
@@ -227,6 +228,9 @@ def test_cli_prints_the_plan_as_json(tmp_path, capsys) -> None:
     (["--hf-config", "{tmp}/missing.json"], "--hf-config {tmp}/missing.json: does not exist"),
     (["--hf-config", "{tmp}/tiermem.yaml"], "--hf-config {tmp}/tiermem.yaml: cannot read it as JSON"),
     (["--hf-config", "{tmp}/config.json", "--batch", "2by16"], "--batch: expected BATCHxLENGTH"),
+    (["--hf-config", "{tmp}/config.json", "--generate", "8x128"], "--generate: expected BATCHxPROMPT+NEW"),
+    (["--hf-config", "{tmp}/config.json", "--generate", "8x16+4", "--optimizer", "adamw"],
+     "--generate plans inference; drop --optimizer"),
 ])
 def test_cli_bad_inputs_are_one_line_errors(tmp_path, capsys, argv: list[str], named: str) -> None:
     """A missing or unreadable file or a bad --batch exits 2 with one line naming the flag and the path."""
@@ -305,3 +309,136 @@ def test_activations_auto_plans_the_tier_entry_chooses(tmp_path, monkeypatch, av
     with tiered_offload(model, optimizer=opt, **settings) as tm:
         assert p.entry["activations"] == tm.plan["activations"]
     assert p.entry["activations"]["tier"] == ("nvme" if available == 0 else "memory"), p.entry["activations"]
+
+
+# -- generation (see [Note: planning generation]) ---------------------------------------------------------------
+def prompts(batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of different lengths, as transformers pads them."""
+    ids = torch.randint(1, 500, (batch, length), generator=torch.Generator().manual_seed(batch))
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, :(3 * b) % length] = 0
+    return ids * mask, mask
+
+
+def kv_cfg(tmp_path, tier: str, budget: str, **extra: Any) -> dict[str, Any]:
+    return cfg(tmp_path, budget, **{"wrap.min_unit_bytes": 0, "kv.tier": tier, "kv.block_tokens": 4, **extra})
+
+
+def generate(model: nn.Module, tm: Any, shape: tuple[int, int, int], **kw: Any) -> Any:
+    batch, prompt, new = shape
+    ids, mask = prompts(batch, prompt)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kw)
+
+
+GEN_CASES = [("nvme", "1MiB"), ("nvme", "768KiB"), ("auto", "1MiB"), ("auto", "2MiB"), ("cpu", "4MiB"),
+             ("memory", "1MiB")]
+
+
+@pytest.mark.parametrize("tier, budget", GEN_CASES, ids=[f"{t}-{b}" for t, b in GEN_CASES])
+@pytest.mark.parametrize("build", [models.gpt2, models.llama], ids=["gpt2", "llama"])
+def test_generation_figures_match_what_generate_reports(tmp_path, build, tier: str, budget: str) -> None:
+    """The KV cache's bytes per tier and its kept partial blocks equal what the KV store holds at the end of a real
+    generate(); its writes and the reads are lower bounds of the real ones; the peaks per tier are within 5%."""
+    shape = (4, 10, 12)
+    model = build()
+    settings = kv_cfg(tmp_path, tier, budget)
+    p = plan(model, generate=shape, **settings)
+    g = p.generation
+    assert g is not None and p.fits, p.fixes
+    assert (g.batch, g.prompt, g.new_tokens, g.kv_tier) == (*shape, tier)
+    with tiered_offload(model, **settings) as tm:
+        generate(model, tm, (1, 4, 2))  # records the order
+        tm.reset_stats()
+        cache = tm.kv_cache() if tier != "memory" else None
+        out = generate(model, tm, shape, **({"cache": cache} if cache is not None else {}))
+        stats = tm.stats()
+        kept = tm.runtime.kv.tail_bytes if tier != "memory" else 0
+        if cache is not None:
+            assert cache.get_seq_length() == shape[1] + shape[2] - 1
+        del cache
+    assert out.shape == (shape[0], shape[1] + shape[2])
+    layers = model.config.num_hidden_layers
+    assert g.layers == layers and g.untiered_layers == 0
+    if tier == "memory":
+        assert "kv_bytes" not in stats and g.kv_host_bytes == g.kv_nvme_bytes == g.write_bytes == 0
+        heads = model.config.num_key_value_heads if hasattr(model.config, "num_key_value_heads") else 4
+        dims = model.config.hidden_size // model.config.num_attention_heads
+        assert g.token_bytes == shape[0] * heads * 2 * dims * 4 * layers
+        assert g.kv_bytes == g.token_bytes * (shape[1] + shape[2] - 1)
+    else:
+        assert (g.kv_bytes, g.kv_host_bytes, g.kv_nvme_bytes, g.kept_bytes) == (
+            stats["kv_peak_bytes"], stats["kv_host_home_bytes"], stats["kv_nvme_home_bytes"], kept), (g, stats)
+        assert g.kv_host_bytes + g.kv_nvme_bytes == g.kv_bytes > 0
+        assert g.write_bytes <= stats["kv_bytes_written"]
+    assert g.read_bytes <= stats["bytes_read"]
+    for t in ("device", "host", "nvme"):
+        assert close(p.peak_bytes[t], stats["peak_bytes"][t]), (t, p.peak_bytes, stats["peak_bytes"])
+    assert g.tokens_per_second_max is None or g.tokens_per_second_max > 0
+
+
+@pytest.mark.parametrize("tier, budget", GEN_CASES[:4], ids=[f"{t}-{b}" for t, b in GEN_CASES[:4]])
+@pytest.mark.parametrize("build", [models.gpt2, models.llama], ids=["gpt2", "llama"])
+def test_generation_resident_plan_is_the_runtimes_for_the_last_step(tmp_path, build, tier: str, budget: str) -> None:
+    """The units kept resident during the last decoding step and the depth left are what the runtime planned at
+    the end of the step before it: a generate() of one token fewer ends with that plan."""
+    model = build()
+    settings = kv_cfg(tmp_path, tier, budget)
+    g = plan(model, generate=(4, 10, 12), **settings).generation
+    with tiered_offload(model, **settings) as tm:
+        generate(model, tm, (4, 10, 11))
+        assert (g.resident_bytes, g.prefetch_depth) == (tm.stats()["resident_bytes"], tm.runtime.schedule.depth)
+
+
+def test_generation_fixes_name_values_that_work(tmp_path) -> None:
+    """A KV cache on the host past the budget, and a block too large to update beside the units, are fixes whose
+    values make the plan fit and let the real generate() run; without them generate() raises the error the plan
+    turned into the fix."""
+    from tiermem.errors import BudgetError
+
+    model = models.gpt2()
+    shape = (16, 8, 40)
+    for tier, extra, key in (("cpu", {}, "memory.host_budget"), ("nvme", {"kv.block_tokens": 64}, "kv.block_tokens")):
+        settings = kv_cfg(tmp_path, tier, "1MiB", **extra)
+        p = plan(model, generate=shape, **settings)
+        assert not p.fits and p.fixes[0].key == key, p.fixes
+        assert p.generation is not None and p.generation.seconds_min is None
+        assert p.generation.note.startswith("does not fit: ") and key in p.generation.note
+        with tiered_offload(model, **settings) as tm, pytest.raises(BudgetError, match=key.replace(".", r"\.")):
+            generate(model, tm, shape)
+        fixed = {**settings, key: p.fixes[0].value}
+        assert plan(model, generate=shape, **fixed).fits
+        with tiered_offload(model, **fixed) as tm:
+            generate(model, tm, shape)
+        if key == "kv.block_tokens":  # the largest that fits: one token more does not
+            over = plan(model, generate=shape, **{**settings, key: p.fixes[0].value + 1})
+            assert not over.fits and over.fixes[0].key == key
+
+
+def test_generation_bound_holds_against_a_measured_generate(tmp_path, monkeypatch, capsys) -> None:
+    """With `tiermem bench io` figures cached, a real generate() takes at least the plan's bound (its tokens/s at
+    most the plan's), and the summary and JSON carry the generation's figures."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    settings = kv_cfg(tmp_path, "nvme", "768KiB")
+    model = models.gpt2()
+    shape = (4, 10, 12)
+    assert plan(model, generate=shape, **settings).generation.seconds_min is None  # no figures yet: no bound
+    assert main(["bench", "io", "--path", str(tmp_path / "swap"), "--size", "16MiB", "--runs", "1", "--engine",
+                 "auto", "--no-progress", "--json"]) == 0
+    capsys.readouterr()
+    p = plan(model, generate=shape, **settings)
+    g = p.generation
+    assert g.seconds_min is not None and g.prefill_seconds_min and g.step_seconds_min and g.step_read_bytes > 0
+    assert g.tokens_per_second_max == pytest.approx(shape[0] * shape[2] / g.seconds_min)
+    with tiered_offload(model, **settings) as tm:
+        generate(model, tm, (1, 4, 2))
+        began = time.perf_counter()
+        generate(model, tm, shape)
+        took = time.perf_counter() - began
+    assert took >= g.seconds_min, (took, g)
+    assert "tokens/s" in p.summary() and "generate 4 x (10 + 12 tokens)" in p.summary()
+    assert p.to_dict()["generation"]["kv_nvme_bytes"] == g.kv_nvme_bytes > 0
+    with pytest.raises(OffloadError, match="generate: plans inference"):
+        plan(model, optimizer="adamw", generate=shape, **settings)
+    with pytest.raises(OffloadError, match=r"generate: expected \(batch, prompt, new_tokens\)"):
+        plan(model, generate=(4, 0, 3), **settings)

@@ -43,6 +43,30 @@ What the ledger will count at peak follows from them:
   2048 in the parameters' dtype, the best of three each; about 0.3 s once per process and device). The
   products a model runs are smaller and its other operations are not counted, so no step beats that either;
   the step's bound is the larger of the two.
+
+# [Note: planning generation]
+With `generate=(batch, prompt, new_tokens)`, a plan adds what `model.generate(ids, max_new_tokens=new_tokens)` on
+`batch` prompts of `prompt` tokens would keep in the KV cache and read per decoding step (`Plan.generation`).
+Again the figures come from the code that runs, not from a model of it:
+- the cache layers, their shapes and the unit computing each come from the model's own forward on fake tensors
+  (a prefill of the prompt and one decoding step through a transformers DynamicCache made from the model's
+  config, as generate() makes it). A layer is kept in blocks when it is one KVStore.adopt would tier (a plain
+  DynamicLayer), and it follows the unit acquired last among those in use when it updates, as
+  KVStore.begin_update finds it;
+- the blocks are placed by the KV store's own methods (`new_block`, `_home`, `check_block_fits`, `seal`,
+  `keep_tail`) on stand-ins for the swapper and the units, appending the prompt and then one token a step to
+  each layer in order, as TieredLayer._append cuts tokens into blocks;
+- each decoding step's bound is the pass bound above with the step's blocks in it: the NVMe units the forward
+  uses and the NVMe blocks not kept as partial ones are touched every step, the host cache holds at most the
+  budget less the host-homed partitions, blocks and kept partial blocks, so at least the rest is read; the
+  compute bound is the step's matrix products (counted on the fake decoding step; attention's products with
+  the cache, which grow with the context, are not counted) at the probe's rate; the step's bound is the larger.
+  The resident plan is `plan_resident` with each unit's blocks as the bytes read with it, as the runtime makes
+  it at the end of a pass for the next; a cache that does not fit (kv.tier cpu past the budget, or a block
+  pair beside the unit computing) is a fix, with a value checked by the same code;
+- the prefill reads the weights and writes its sealed blocks, and computes the prompt's products; the whole
+  generate() is bounded by the prefill and the `new_tokens - 1` decoding steps after it (the last token's keys
+  and values are never appended), and tokens/s by `batch * new_tokens` over that.
 """
 
 from __future__ import annotations
@@ -50,6 +74,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -84,7 +109,7 @@ from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.wrap import WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size, parse_size
 from tiermem.store import StripeLayout
-from tiermem.swap import Layout
+from tiermem.swap import Layout, Tier
 from tiermem.swap.transfers import make_mover
 
 log = logging.getLogger(__name__)
@@ -126,6 +151,100 @@ class SwapPath:
 
     filesystem: str
     """major:minor of the filesystem; directories on one filesystem share its free space."""
+
+
+@dataclass
+class Generation:
+    """What generate() on a batch would keep in the KV cache and move per decoding step; made by `plan` with
+    ``generate=(batch, prompt, new_tokens)`` (see [Note: planning generation]). Byte figures count what the KV
+    store counts (`tm.stats()`'s ``kv_*`` keys): blocks of kv.block_tokens tokens, each 4 KiB-aligned."""
+
+    batch: int
+    prompt: int
+    new_tokens: int
+    kv_tier: str
+    """kv.tier: memory leaves transformers' own cache on the compute device; the others cut it into blocks."""
+
+    layers: int
+    """Cache layers the KV store takes (kv.tier other than memory), or that grow on the device (memory)."""
+
+    untiered_layers: int
+    """Cache layers left as transformers makes them (sliding windows), on the compute device."""
+
+    token_bytes: int
+    """Bytes one token takes in those layers: keys and values of every sequence and head."""
+
+    block_bytes: int
+    """The largest block: kv.block_tokens tokens of one layer for the whole batch; 0 for kv.tier memory."""
+
+    kv_bytes: int
+    """The cache at its longest, prompt + new_tokens - 1 tokens (the last token's keys are never appended)."""
+
+    kv_host_bytes: int
+    """Of them, blocks homed in host memory (``kv_host_home_bytes``)."""
+
+    kv_nvme_bytes: int
+    """Of them, blocks homed on NVMe (``kv_nvme_home_bytes``)."""
+
+    kept_bytes: int
+    """Partial blocks with an NVMe home kept in host memory at the end (at most an eighth of the budget)."""
+
+    read_bytes: int
+    """NVMe bytes the whole generate() must at least read: weights and blocks."""
+
+    write_bytes: int
+    """NVMe bytes it must at least write: each block with an NVMe home once, when it fills."""
+
+    step_read_bytes: int
+    """NVMe bytes the last decoding step must at least read."""
+
+    resident_bytes: int
+    """Units the resident plan keeps in host memory during the last decoding step: the plan the runtime makes at
+    the end of the step before it (``tm.stats()["resident_bytes"]`` after a generate() of one token fewer)."""
+
+    prefetch_depth: int
+    """The prefetch depth that plan leaves."""
+
+    prefill_seconds_min: float | None
+    """A bound on the prompt's forward: its reads and writes, or its matrix products."""
+
+    step_seconds_min: float | None
+    """A bound on the last decoding step, the longest."""
+
+    seconds_min: float | None
+    """A bound on the whole generate(): the prefill and the new_tokens - 1 decoding steps."""
+
+    tokens_per_second_max: float | None
+    """batch * new_tokens / seconds_min: what generation cannot beat."""
+
+    note: str
+    """How the bounds were found, or what is missing for them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary_lines(self) -> list[str]:
+        shape = f"{self.batch} x ({self.prompt} + {self.new_tokens} tokens)"
+        where = ("on the compute device (kv.tier memory)" if self.kv_tier == "memory"
+                 else f"in blocks of {format_size(self.block_bytes)} (kv.tier {self.kv_tier})")
+        lines = [f"  generate {shape}: KV cache of {self.layers} layers, {format_size(self.token_bytes)} a token, "
+                 f"{where}" + (f"; {self.untiered_layers} other layers on the device" if self.untiered_layers else "")]
+        if self.kv_tier != "memory":
+            lines.append(f"    at its longest {format_size(self.kv_bytes)}: {format_size(self.kv_host_bytes)} homed on "
+                         f"the host, {format_size(self.kv_nvme_bytes)} on NVMe, {format_size(self.kept_bytes)} of "
+                         "partial blocks kept in host memory")
+        else:
+            lines.append(f"    at its longest {format_size(self.kv_bytes)}")
+        lines.append(f"    NVMe: the last decoding step reads at least {format_size(self.step_read_bytes)}; the whole "
+                     f"generate() {format_size(self.read_bytes)} read, {format_size(self.write_bytes)} written"
+                     + (f"; {format_size(self.resident_bytes)} kept resident, prefetch depth {self.prefetch_depth}"
+                        if self.resident_bytes else ""))
+        if self.seconds_min is not None and self.tokens_per_second_max is not None:
+            lines.append(f"    prefill >= {self.prefill_seconds_min:.4g} s, last decoding step >= "
+                         f"{self.step_seconds_min:.4g} s, generate() >= {self.seconds_min:.4g} s: at most "
+                         f"{self.tokens_per_second_max:.4g} tokens/s")
+        lines.append(f"    ({self.note})")
+        return lines
 
 
 @dataclass
@@ -200,6 +319,9 @@ class Plan:
     activations_note: str = ""
     """How the activations were estimated, or why they were not."""
 
+    generation: Generation | None = None
+    """With ``generate=``: the KV cache and the decoding steps (see [Note: planning generation])."""
+
     @property
     def fits(self) -> bool:
         """Whether entry would fit the budgets and the disks (no fixes needed)."""
@@ -232,6 +354,7 @@ class Plan:
             "step_seconds_min": self.step_seconds_min,
             "step_note": self.step_note,
             "activations_note": self.activations_note,
+            "generation": self.generation.to_dict() if self.generation is not None else None,
             "entry": self.entry,
             "config": self.config.to_dict(),
         }
@@ -265,6 +388,8 @@ class Plan:
             lines.append(f"  compute >= {self.compute_seconds_min:.4g} s ({self.compute_note})")
         if self.activations_note:
             lines.append(f"  activations: {self.activations_note}")
+        if self.generation is not None:
+            lines.extend(self.generation.summary_lines())
         if self.fits:
             lines.append("  fits: yes")
         else:
@@ -280,7 +405,8 @@ class _Stub(SimpleNamespace):
 
 def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
          optimizer: torch.optim.Optimizer | str | None = None, batch: Any = None,
-         checkpoint: str | os.PathLike[str] | None = None, **overrides: Any) -> Plan:
+         checkpoint: str | os.PathLike[str] | None = None, generate: tuple[int, int, int] | None = None,
+         **overrides: Any) -> Plan:
     """Plan `tiered_offload(model, config, optimizer=...)` without running it: see [Note: plans].
 
     Args:
@@ -294,6 +420,9 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
             The forward runs on fake tensors (shapes without data: no bytes).
         checkpoint: the checkpoint `tiered_offload` would stream from (a model on the meta device); only its
             existence is checked, the shapes come from the model.
+        generate: (batch, prompt, new_tokens): plan `generate()` of `new_tokens` tokens for `batch` prompts of
+            `prompt` tokens: the KV cache's bytes per tier and each decoding step's bounds (``Plan.generation``,
+            see [Note: planning generation]). Inference only; a transformers model.
         **overrides: dotted config keys, as `tiered_offload` takes them.
 
     Returns:
@@ -304,6 +433,7 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
         raise OffloadError(f"checkpoint: {os.fspath(checkpoint)} does not exist; pass the .safetensors file or "
                            "its index")
     opt = _optimizer(model, optimizer)
+    shape = _generate_shape(generate, opt)
     cfg, activations_why = _choose_activations_tier(cfg, model, opt, Ranks())  # auto settled as entry does
     cfg, weights_why = choose_path_weights(cfg)
     tie = getattr(model, "tie_weights", None)
@@ -367,8 +497,8 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
     resident: set[int] = set()
     depth_after = depth
     host_fixed = sum(sizes.values()) if params_home == "cpu" or (params_home == "device" and not own_memory) else 0
+    used = {i: s for i, s in nvme_units.items() if i in set(recorded.order)}  # the NVMe units a pass reads
     if train is None and cfg.prefetch.keep_resident and depth > 0:  # as Runtime._plan_resident
-        used = {i: s for i, s in nvme_units.items() if i in set(recorded.order)}
         resident, depth_after = plan_resident(used, budget - host_fixed, depth)
     device_peak = _device_peak(recorded, sizes, depth_after, cfg.prefetch.max_bytes, params_home)
 
@@ -380,11 +510,19 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
     act_nvme = act_bytes if (act_bytes and cfg.activations.tier == "nvme" and train is not None) else 0
     # what the host cache holds: every partition but those on a device with memory of its own
     touched = [s for home, _, s in parts if home != "device" or not own_memory]
+    bandwidth = cached_bandwidth(cfg.nvme.paths) if cfg.uses_nvme else None
+    gen = blocks = None
+    if shape is not None:
+        gen, blocks = _generation(model, cfg, wrap, _Stub(sizes=sizes, used=used, host_fixed=host_fixed,
+                                                          budget=budget, budget_text=budget_text), override, shape,
+                                  bandwidth, fixes)
+        touched += blocks  # the host cache holds the blocks as it holds the units
     host_peak = _host_peak(touched, budget)
     if act_nvme:
         host_peak += min(cfg.activations.host_bytes, act_nvme)
-    peak = {"device": device_peak, "host": host_peak, "nvme": nvme_total + act_nvme}
-    swap = _swap_paths(cfg, nvme_total + act_nvme) if cfg.uses_nvme else []
+    kv_nvme = gen.kv_nvme_bytes if gen is not None else 0
+    peak = {"device": device_peak, "host": host_peak, "nvme": nvme_total + act_nvme + kv_nvme}
+    swap = _swap_paths(cfg, nvme_total + act_nvme + kv_nvme) if cfg.uses_nvme else []
     fixes = _strongest(fixes) + _disk_fixes(swap)
 
     host_permanent = train.permanent if train is not None else host_fixed
@@ -393,7 +531,6 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
     dirty = sum(s for home, kind, s in parts if home == "nvme" and kind in ("params", "state")) if train else 0
     reads = max(0, moving - room) + act_nvme
     writes = (max(0, dirty - room) if train is not None else 0) + act_nvme
-    bandwidth = cached_bandwidth(cfg.nvme.paths) if cfg.uses_nvme else None
     step_min, note = _step_bound(cfg, reads, writes, bandwidth)
     compute_min, compute_note = _compute_bound(model, batch, training=train is not None, device=cfg.device,
                                                dtype=override)
@@ -406,7 +543,7 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
                   prefetch_depth=depth_after, resident_bytes=sum(nvme_units[i] for i in resident), entry=entry,
                   swap=swap, fixes=fixes, nvme_read_bytes=reads, nvme_write_bytes=writes, bandwidth=bandwidth,
                   step_seconds_min=step_min, step_note=note, activations_note=act_note,
-                  compute_seconds_min=compute_min, compute_note=compute_note)
+                  compute_seconds_min=compute_min, compute_note=compute_note, generation=gen)
     log.info("tiermem plan: %s", _plan_text(entry))
     return result
 
@@ -662,11 +799,10 @@ def _compute_bound(model: nn.Module, batch: Any, *, training: bool, device: str,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = _compute_dtype(model, dtype)
     try:
         with FakeTensorMode(), torch.no_grad():
-            state = {n: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype)
-                     for n, t in [*model.named_parameters(), *model.named_buffers()]}
+            state = _fake_state(model, dtype)
             args, kwargs = _batch_inputs(model, batch)
             with FlopCounterMode(display=False) as counter:
                 torch.func.functional_call(model, state, args, kwargs)
@@ -677,6 +813,17 @@ def _compute_bound(model: nn.Module, batch: Any, *, training: bool, device: str,
     what = "step (three forwards)" if training else "pass"
     return flops / rate, (f"{flops / 1e9:.3g} GFLOP of matrix products per {what} at the probe's best "
                           f"{rate / 1e9:.3g} GFLOP/s on {resolve_device(device)}")
+
+
+def _compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> torch.dtype:
+    """params.dtype, or the model's floating-point dtype when that is null."""
+    return dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _fake_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers as tensors of the current FakeTensorMode, floating ones in `dtype`."""
+    return {n: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype)
+            for n, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
 @functools.cache
@@ -732,6 +879,267 @@ def _activations(model: nn.Module, batch: Any, *, training: bool, min_bytes: int
         return None, f"not estimated: the forward on fake tensors failed ({type(exc).__name__}: {exc})"
     total = sum(n for _, n in saved.values() if n >= min_bytes)
     return total, f"saved by one training forward of the batch, estimated on fake tensors ({len(saved)} tensors)"
+
+
+# -- generation: the KV cache ----------------------------------------------------------------------------
+def _generate_shape(generate: Any, opt: torch.optim.Optimizer | None) -> tuple[int, int, int] | None:
+    """`generate=` checked: (batch, prompt, new_tokens), each a positive int; inference only."""
+    if generate is None:
+        return None
+    if opt is not None:
+        raise OffloadError("generate: plans inference (generate() computes no gradients); plan it without "
+                           "optimizer=")
+    if (not isinstance(generate, Sequence) or len(generate) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in generate)):
+        raise OffloadError(f"generate: expected (batch, prompt, new_tokens), three positive ints such as (32, 128, "
+                           f"32), got {generate!r}")
+    return cast(tuple[int, int, int], tuple(generate))
+
+
+def _cache_layers(model: nn.Module, wrap: WrapPlan, shape: tuple[int, int, int],
+                  dtype: torch.dtype) -> tuple[list[Any], int, float, float]:
+    """The cache layers generate() fills, from the model's forward on fake tensors through a DynamicCache made
+    from its config: a prefill of the prompt, then one decoding step (see [Note: planning generation]).
+
+    Returns (the layers KVStore.adopt would tier, each with its index, shape (batch, heads, key dim, value dim),
+    dtype, the unit computing it and the units in use at its first update; the number of other layers; the
+    prefill's and the decoding step's floating-point operations of matrix products)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError as exc:
+        raise OffloadError(f"generate: planning generation needs transformers 5 (its cache layers): {exc}") from None
+    batch, prompt, _ = shape
+    in_use: list[int] = []  # the units in use, in the order acquired (as the runtime's hooks acquire them)
+    mine: list[list[int]] = []
+    first: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # layer -> (unit computing it, units in use)
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        new = [i for i in wrap.needs[mod] if i not in in_use]
+        in_use.extend(new)
+        mine.append(new)
+
+    def leave(mod: nn.Module, args: Any, out: Any) -> None:
+        for i in mine.pop():
+            in_use.remove(i)
+
+    try:
+        takes: Mapping[str, Any] = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = {}
+    cache_kw = "cache" if "cache" in takes else "past_key_values"
+    handles = [handle for mod in wrap.needs
+               for handle in (mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave))]
+    try:
+        with FakeTensorMode(), torch.no_grad():
+            state = _fake_state(model, dtype)
+            config = getattr(model, "config", None)
+            cache = DynamicCache(config=config) if config is not None else DynamicCache()
+            update = cache.update
+
+            def recording(key: torch.Tensor, value: torch.Tensor, layer_idx: int, *a: Any, **kw: Any) -> Any:
+                first.setdefault(layer_idx, (in_use[-1] if in_use else None, tuple(in_use)))
+                return update(key, value, layer_idx, *a, **kw)
+
+            cache.update = recording  # type: ignore[method-assign,assignment]
+            flops = []
+            for tokens, seen in ((prompt, 0), (1, prompt)):
+                kwargs: dict[str, Any] = {"input_ids": torch.zeros((batch, tokens), dtype=torch.long),
+                                          cache_kw: cache, "use_cache": True}
+                if "attention_mask" in takes:
+                    kwargs["attention_mask"] = torch.ones((batch, seen + tokens), dtype=torch.long)
+                with FlopCounterMode(display=False) as counter:
+                    torch.func.functional_call(model, state, (), kwargs)
+                flops.append(float(counter.get_total_flops()))
+            layers, others = [], 0
+            for idx, layer in enumerate(cache.layers):
+                if not getattr(layer, "is_initialized", False):
+                    continue
+                if type(layer) is not DynamicLayer:  # as KVStore.adopt: only plain layers are tiered
+                    others += 1
+                    continue
+                keys, values = cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)
+                b, h, _, dk = keys.shape
+                unit, held = first.get(idx, (None, ()))
+                layers.append(_Stub(index=idx, shape=(b, h, dk, values.shape[-1]), dtype=keys.dtype, unit=unit,
+                                    held=held, blocks=[]))
+    except OffloadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an op without a fake kernel, a model that takes no cache
+        raise OffloadError(f"generate: the model's forward with a transformers DynamicCache failed on fake tensors "
+                           f"({type(exc).__name__}: {exc}); plan it without generate=") from None
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not layers and not others:
+        raise OffloadError("generate: the model's forward filled no cache layer (a model without a KV cache?); "
+                           "plan it without generate=")
+    return layers, others, flops[0], flops[1]
+
+
+def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype: torch.dtype | None,
+                shape: tuple[int, int, int], bandwidth: dict[str, Any] | None,
+                fixes: list[Fix]) -> tuple[Generation, list[int]]:
+    """Place the KV blocks as generate() of `shape` would and bound each step (see [Note: planning generation]).
+    `room` carries the units' sizes, the NVMe ones a pass reads (`used`), the host-homed units' bytes and the
+    partition budget. Returns the Generation and the bytes of each block (the host cache holds them as it holds
+    the units); what does not fit is added to `fixes`."""
+    from tiermem.runtime.kv_cache import KVStore, TieredLayer
+
+    batch, prompt, new = shape
+    dtype = _compute_dtype(model, dtype)
+    layers, others, prefill_flops, step_flops = _cache_layers(model, wrap, shape, dtype)
+    rate = _matmul_rate(str(resolve_device(cfg.device)), dtype)
+    token_bytes = cast(Any, TieredLayer.token_bytes).fget
+    per_token = sum(token_bytes(layer) for layer in layers)
+    longest = prompt + new - 1
+    weights, budget, depth = sum(room.used.values()), room.budget, cfg.prefetch.depth
+
+    def bound(reads: int, writes: int, flops: float) -> tuple[float | None, str]:
+        seconds, how = _step_bound(cfg, reads, writes, bandwidth)
+        compute = flops / rate
+        if seconds is not None and compute > seconds:
+            return compute, f"the compute, {flops / 1e9:.3g} GFLOP of matrix products at {rate / 1e9:.3g} GFLOP/s"
+        return seconds, how
+
+    def result(kind: str, prefill: tuple[float | None, str], steps: list[tuple[float | None, str]],
+               **figures: Any) -> Generation:
+        total = None if any(t is None for t, _ in [prefill, *steps]) else sum(t or 0.0 for t, _ in [prefill, *steps])
+        last = steps[-1] if steps else (None, "")
+        note = (f"prefill: {prefill[1]}" + (f"; decoding steps: {last[1]}" if steps else "")
+                if prefill[0] is not None or steps else prefill[1])
+        return Generation(batch=batch, prompt=prompt, new_tokens=new, kv_tier=kind, layers=len(layers),
+                          untiered_layers=others, token_bytes=per_token, prefill_seconds_min=prefill[0],
+                          step_seconds_min=last[0], seconds_min=total,
+                          tokens_per_second_max=batch * new / total if total else None, note=note, **figures)
+
+    if cfg.kv.tier == "memory":  # transformers' own cache on the compute device: each step reads the weights only
+        reads = max(0, weights - (budget - room.host_fixed))
+        resident, depth = (plan_resident(room.used, budget - room.host_fixed, depth)
+                           if cfg.prefetch.keep_resident and depth > 0 else (set(), depth))
+        gen = result("memory", bound(reads, 0, prefill_flops), [bound(reads, 0, step_flops)] * (new - 1),
+                     block_bytes=0, kv_bytes=per_token * longest, kv_host_bytes=0, kv_nvme_bytes=0, kept_bytes=0,
+                     read_bytes=reads * new, write_bytes=0, step_read_bytes=reads if new > 1 else 0,
+                     resident_bytes=sum(room.used[j] for j in resident), prefetch_depth=depth)
+        return gen, []
+
+    home = Tier.of(cfg.params.tier)
+    parts: dict[str, Any] = {f"unit.{i}": _Stub(name=f"unit.{i}", size=size, home=home)
+                             for i, size in room.sizes.items()}
+    units = [_Stub(index=i, partition=parts[f"unit.{i}"], depth=0) for i in room.sizes]
+
+    def add(name: str, spec: Any, *, home: Tier, fill: Any) -> Any:
+        parts[name] = _Stub(name=name, size=Layout.of(spec).size, home=Tier.of(home))
+        return parts[name]
+
+    swapper = _Stub(config=cfg, partitions=parts, partition_budget=budget, budget_text=room.budget_text, add=add,
+                    keep_resident=lambda part, keep: None, write_back=lambda part: None)
+    store = _Stub(runtime=_Stub(units=units, follow=lambda part, unit: None), swapper=swapper, tier=cfg.kv.tier,
+                  block_tokens=cfg.kv.block_tokens, layers=layers, host_bytes=0, tail_bytes=0, bytes_written=0,
+                  peak_bytes=0, _names=itertools.count())
+    for name in ("bytes_now", "_room", "_largest_streamed", "check_block_fits", "new_block", "_home", "seal",
+                 "keep_tail", "_unkeep"):
+        setattr(store, name, MethodType(getattr(KVStore, name), store))  # the KV store's own code
+    for layer in layers:
+        layer.store = store
+        layer.block_spec = MethodType(TieredLayer.block_spec, layer)
+
+    def append(layer: Any, tokens: int) -> None:
+        """Cut `tokens` new tokens into the layer's blocks as TieredLayer._append does."""
+        n = store.block_tokens
+        while tokens:
+            if not layer.blocks or layer.blocks[-1].filled == n:
+                layer.blocks.append(store.new_block(layer))
+            blk = layer.blocks[-1]
+            take = min(n - blk.filled, tokens)
+            blk.dirty_end = max(blk.dirty_end, (blk.filled + take) * token_bytes(layer))
+            blk.filled += take
+            tokens -= take
+            if blk.filled == n:
+                store.seal(blk)
+            else:
+                store.keep_tail(blk)
+
+    def streamed() -> dict[int, int]:
+        """As KVStore.streamed: each unit's blocks read from NVMe with it (those not kept in host memory)."""
+        out: dict[int, int] = {}
+        for layer in layers:
+            n = sum(b.part.size for b in layer.blocks if b.part.home is Tier.NVME and not b.kept)
+            if n and layer.unit is not None:
+                out[layer.unit] = out.get(layer.unit, 0) + n
+        return out
+
+    def left() -> int:
+        """The budget less the host-homed units and blocks and the kept partial blocks, as the runtime plans."""
+        return budget - room.host_fixed - store.host_bytes - store.tail_bytes
+
+    layer = layers[0] if layers else None
+    try:
+        for layer in layers:  # the prefill; each layer's first update checks its block (lazy_initialization)
+            for u in units:
+                u.depth = 1 if u.index in layer.held else 0
+            store.check_block_fits(layer)
+            append(layer, prompt)
+        prefill_reads = max(0, weights - (budget - room.host_fixed))
+        prefill = bound(prefill_reads, store.bytes_written, prefill_flops)
+        reads, steps, step_reads = prefill_reads, [], 0
+        resident, depth = (plan_resident(room.used, left(), depth, streamed())
+                           if cfg.prefetch.keep_resident and depth > 0 and new == 1 else (set(), depth))
+        for k in range(new - 1):
+            step_reads = max(0, weights + sum(streamed().values()) - left())
+            if k == new - 2 and cfg.prefetch.keep_resident and depth > 0:  # planned again at the step's start
+                resident, depth = plan_resident(room.used, left(), cfg.prefetch.depth, streamed())
+            written = store.bytes_written
+            for layer in layers:
+                append(layer, 1)
+            steps.append(bound(step_reads, store.bytes_written - written, step_flops))
+            reads += step_reads
+    except BudgetError as exc:  # the runtime would raise it: no bounds, a fix
+        fixes.append(_kv_fix(store, layer, longest, exc, cfg.activations.host_bytes))
+        prefill, steps, reads, step_reads, resident = (None, f"does not fit: {exc}"), [], 0, 0, set()
+    blocks = [b.part for x in layers for b in x.blocks]
+    gen = result(cfg.kv.tier, prefill, steps, block_bytes=max((b.size for b in blocks), default=0),
+                 kv_bytes=store.bytes_now(), kv_host_bytes=store.host_bytes,
+                 kv_nvme_bytes=sum(b.size for b in blocks if b.home is Tier.NVME),
+                 kept_bytes=store.tail_bytes, read_bytes=reads, write_bytes=store.bytes_written,
+                 step_read_bytes=step_reads, resident_bytes=sum(room.used[j] for j in resident),
+                 prefetch_depth=depth)
+    return gen, [b.size for b in blocks]
+
+
+def _kv_fix(store: Any, layer: Any, longest: int, exc: BudgetError, activations: int) -> Fix:
+    """The change that lets generate() place its blocks: a smaller kv.block_tokens when one block pair does not
+    fit (`check_block_fits`), else the host budget that holds every block of kv.tier cpu at its longest."""
+    problem = str(exc)
+    wanted = store.block_tokens
+    if problem.startswith("kv.block_tokens"):
+        for k in range(wanted - 1, 0, -1):
+            store.block_tokens = k
+            try:
+                store.check_block_fits(layer)
+            except BudgetError:
+                continue
+            store.block_tokens = wanted
+            return Fix("kv.block_tokens", k, f"lower kv.block_tokens to {k} or less (kv.block_tokens: {k}), lower the "
+                       "batch, or raise memory.host_budget", problem)
+        store.block_tokens = 1
+        size = Layout.of(layer.block_spec()).size
+        store.block_tokens = wanted
+        held = sum(u.partition.size for u in store.runtime.units if u.depth > 0 and u.partition.home is Tier.NVME)
+        room, _ = store._room(held)
+        return _host_fix(store.swapper.partition_budget + 2 * size - room + activations, problem)
+    size = Layout.of(layer.block_spec()).size
+    blocks = sum(-(-longest // wanted) * Layout.of(x.block_spec()).size for x in store.layers)
+    room, _ = store._room(store._largest_streamed())  # kv.tier cpu: room beside one streamed unit
+    # two blocks to spare: blocks filling the room a streamed unit left leave pieces smaller than a block, and a
+    # GPT-2 and a Llama over 21 shapes needed one or two blocks more than the bytes to run (never none)
+    need = store.swapper.partition_budget - room + blocks + 2 * size + activations
+    value = _size_value(need)
+    return Fix("memory.host_budget", value, f"raise memory.host_budget to at least {format_size(need)} "
+               f"(memory.host_budget: {value}), or set kv.tier: auto to home the blocks past it on NVMe "
+               f"({len(store.layers)} layers of {-(-longest // wanted)} blocks of {format_size(size)})", problem)
 
 
 # -- swap space and the step's traffic ------------------------------------------------------------------

@@ -21,6 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a transformers model config (config.json of a model directory)")
     p.add_argument("--batch", default=None, metavar="BxT", help="batch size x sequence length of input_ids, e.g. "
                    "2x128, to estimate the activations a training step saves")
+    p.add_argument("--generate", default=None, metavar="BxP+N", help="plan generate() of N new tokens for B prompts "
+                   "of P tokens, e.g. 32x128+32: the KV cache's bytes per tier and each decoding step's bounds")
     p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], default=None,
                    help="plan training with this optimizer (default: inference)")
     p.add_argument("--set", action="append", type=_parse_set, metavar="KEY=VALUE",
@@ -41,6 +43,21 @@ def parse_batch(text: str | None) -> tuple[int, int] | None:
     if len(dims) != 2 or min(dims) < 1:
         raise ConfigError(f"--batch: expected BATCHxLENGTH such as 2x128, got {text!r}")
     return dims[0], dims[1]
+
+
+def parse_generate(text: str | None) -> tuple[int, int, int] | None:
+    """`--generate 32x128+32` as (32, 128, 32); ConfigError naming the flag for anything else."""
+    if text is None:
+        return None
+    batch, _, rest = text.lower().partition("x")
+    prompt, _, new = rest.partition("+")
+    try:
+        dims = (int(batch), int(prompt), int(new))
+    except ValueError:
+        dims = (0, 0, 0)
+    if min(dims) < 1:
+        raise ConfigError(f"--generate: expected BATCHxPROMPT+NEW such as 32x128+32, got {text!r}")
+    return dims
 
 
 def build_model(path: str) -> Any:
@@ -83,7 +100,11 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.config):
         raise ConfigError(f"{args.config}: config file does not exist; check the path")
     batch = parse_batch(args.batch)
+    generate = parse_generate(args.generate)
+    if generate is not None and args.optimizer is not None:
+        raise ConfigError("--generate plans inference; drop --optimizer")
     model = build_model(args.hf_config)
-    result = plan(model, args.config, optimizer=args.optimizer, batch=batch, **dict(args.set or []))
+    result = plan(model, args.config, optimizer=args.optimizer, batch=batch, generate=generate,
+                  **dict(args.set or []))
     print(result.to_json() if args.json else result.summary())
     return 0
