@@ -59,7 +59,11 @@ KV cache] in tiermem/runtime/kv_cache.py) under --host-budget, (c') the same wit
 offload folder dropped from the page cache before every forward (prefill and each step). tokens/s counts
 the generated tokens, B x --new-tokens, over the whole generate(); decode tokens/s those of the steps after
 the first over the steps' time. Each variant's tokens must equal the in-memory ones, but (c')'s, whose
-weights are rounded: for it the share of generated tokens equal to the in-memory ones is reported.
+weights are rounded: for it the share of generated tokens equal to the in-memory ones is reported. With
+--gen-rounds R every variant runs R times, in its own process each time, the order rotated by one each
+round; each ratio is taken within a round (a paired ratio) and the median of the rounds is reported, with
+the rounds' ratios beside it, since one slow in-memory prefill (this machine's moved between 16 and 26 s at
+B = 32) moves a single run's ratio by a fifth.
 
     python3 bench/infer_offload.py --generate --json bench/results/infer_generate.json
 GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes; GiB = 2**30 bytes.
@@ -537,20 +541,21 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
           f"{_gb(info['parameter_bytes'])} GB; host budget {format_size(args.host_budget_bytes)}; kv.tier "
           f"{args.kv_tier}; batches {args.batches}, prompt {args.prompt}, {args.new_tokens} new tokens\n", flush=True)
     runs = []
+    chosen = [v for v in GEN_VARIANTS if v.key in args.gen_variants]
     try:
-        for v in GEN_VARIANTS:
-            if v.key not in args.gen_variants:
-                continue
-            spec = {"variant": v.key, "model_dir": model_dir, "batches": args.batch_list, "prompt": args.prompt,
-                    "new_tokens": args.new_tokens, "host_budget": args.host_budget, "kv_tier": args.kv_tier,
-                    "prefetch_depth": args.prefetch_depth, "swap_dir": args.swap_dir, "logits_dir": logits_dir}
-            try:
-                runs.append(run_worker(__file__, "_generate", spec, tag=RESULT_TAG, timeout=SUBPROCESS_TIMEOUT_S * 4,
-                                       name=f"worker {v.key}"))
-            except RuntimeError as exc:
-                runs.append({"variant": v.key, "error": str(exc)})
-                print(f"{v.label} FAILED:\n{exc}", file=sys.stderr, flush=True)
-        ref = {e["batch"]: torch.load(e["tokens_file"]) for r in runs if r["variant"] == "memory"
+        for rnd in range(args.gen_rounds):
+            for v in chosen[rnd % len(chosen):] + chosen[:rnd % len(chosen)]:  # rotated: no variant always first
+                spec = {"variant": v.key, "model_dir": model_dir, "batches": args.batch_list, "prompt": args.prompt,
+                        "new_tokens": args.new_tokens, "host_budget": args.host_budget, "kv_tier": args.kv_tier,
+                        "prefetch_depth": args.prefetch_depth, "swap_dir": args.swap_dir, "logits_dir": logits_dir}
+                try:
+                    run = run_worker(__file__, "_generate", spec, tag=RESULT_TAG, timeout=SUBPROCESS_TIMEOUT_S * 4,
+                                     name=f"worker {v.key}")
+                except RuntimeError as exc:
+                    run = {"variant": v.key, "error": str(exc)}
+                    print(f"{v.label} FAILED:\n{exc}", file=sys.stderr, flush=True)
+                runs.append({**run, "round": rnd})
+        ref = {e["batch"]: torch.load(e["tokens_file"]) for r in runs if r["variant"] == "memory" and r["round"] == 0
                for e in r.get("batches", [])}
         for r in runs:
             for e in r.get("batches", []):
@@ -561,33 +566,47 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
                     e["tokens_agree_memory"] = float((got[:, args.prompt:] == want[:, args.prompt:]).float().mean())
     finally:
         shutil.rmtree(logits_dir, ignore_errors=True)
-    by = {(r["variant"], e["batch"]): e for r in runs for e in r.get("batches", [])}
-    head = f"{'B':>3} {'variant':<26} {'s':>7} {'tok/s':>7} {'decode tok/s':>12} {'prefill s':>9} {'read GB':>8} " \
-           f"{'KV peak GB':>10} {'same tokens':>11}"
+    by = {(r["variant"], e["batch"], r["round"]): e for r in runs for e in r.get("batches", [])}
+    head = f"{'B':>3} {'rnd':>3} {'variant':<26} {'s':>7} {'tok/s':>7} {'decode tok/s':>12} {'prefill s':>9} " \
+           f"{'read GB':>8} {'KV peak GB':>10} {'same tokens':>11}"
     print(head)
     print("-" * len(head))
     for b in args.batch_list:
-        for v in GEN_VARIANTS:
-            e = by.get((v.key, b))
-            if e is None:
-                continue
-            dec = e["decode_tokens_per_second"]
-            kv = _gb(e["kv_peak_bytes"]) if "kv_peak_bytes" in e else "-"
-            print(f"{b:>3} {v.label:<26} {e['seconds']:>7.1f} {e['tokens_per_second']:>7.2f} "
-                  f"{dec if dec is None else f'{dec:.2f}':>12} {e['prefill_seconds']:>9.1f} "
-                  f"{_gb(e['disk_read_bytes']):>8} {kv:>10} {str(e['tokens_equal_memory']):>11}")
-    ratios: dict[str, dict[int, dict[str, float | None]]] = {}
+        for rnd in range(args.gen_rounds):
+            for v in GEN_VARIANTS:
+                e = by.get((v.key, b, rnd))
+                if e is None:
+                    continue
+                dec = e["decode_tokens_per_second"]
+                kv = _gb(e["kv_peak_bytes"]) if "kv_peak_bytes" in e else "-"
+                print(f"{b:>3} {rnd + 1:>3} {v.label:<26} {e['seconds']:>7.1f} {e['tokens_per_second']:>7.2f} "
+                      f"{dec if dec is None else f'{dec:.2f}':>12} {e['prefill_seconds']:>9.1f} "
+                      f"{_gb(e['disk_read_bytes']):>8} {kv:>10} {str(e['tokens_equal_memory']):>11}")
+    ratios: dict[str, dict[int, dict[str, Any]]] = {}
     for key in ("tiermem", "tiermem_int8"):
         for b in args.batch_list:
-            t, m, a = by.get((key, b)), by.get(("memory", b)), by.get(("accelerate_cold", b))
-            if t is not None:
-                r = ratios.setdefault(key, {})[b] = {
-                    "vs_memory": t["tokens_per_second"] / m["tokens_per_second"] if m else None,
-                    "vs_accelerate_cold": t["tokens_per_second"] / a["tokens_per_second"] if a else None}
+            paired: dict[str, list[float]] = {"vs_memory": [], "vs_accelerate_cold": []}
+            agree = None
+            for rnd in range(args.gen_rounds):
+                t = by.get((key, b, rnd))
+                if t is None:
+                    continue
                 agree = t.get("tokens_agree_memory")
-                print(f"B={b}: {key} {r['vs_memory'] or float('nan'):.2f} x in memory, "
-                      f"{r['vs_accelerate_cold'] or float('nan'):.2f} x accelerate cold (tokens/s)"
-                      + (f"; {agree:.0%} of its tokens as in memory" if agree is not None else ""))
+                for name, peer in (("vs_memory", "memory"), ("vs_accelerate_cold", "accelerate_cold")):
+                    o = by.get((peer, b, rnd))
+                    if o is not None:
+                        paired[name].append(t["tokens_per_second"] / o["tokens_per_second"])
+            if not any(paired.values()) and agree is None:
+                continue
+            r = ratios.setdefault(key, {})[b] = {name: statistics.median(x) if x else None
+                                                 for name, x in paired.items()}
+            r.update({f"{name}_rounds": x for name, x in paired.items()})
+            rounds = "" if args.gen_rounds == 1 else (
+                f" (rounds: {', '.join(f'{x:.2f}' for x in paired['vs_memory'])})" if paired["vs_memory"] else "")
+            print(f"B={b}: {key} {r['vs_memory'] or float('nan'):.2f} x in memory{rounds}, "
+                  f"{r['vs_accelerate_cold'] or float('nan'):.2f} x accelerate cold (tokens/s"
+                  f"{', median of paired rounds' if args.gen_rounds > 1 else ''})"
+                  + (f"; {agree:.0%} of its tokens as in memory" if agree is not None else ""))
     wall = time.perf_counter() - t_start
     print(f"\nwhole run {wall:.0f} s")
     if args.json:
@@ -595,6 +614,7 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
                                "versions": versions, "model": {"n_layer": args.layers, "n_embd": args.width,
                                                                "n_head": args.heads, **info},
                                "config": {"batches": args.batch_list, "prompt": args.prompt,
+                                          "rounds": args.gen_rounds,
                                           "new_tokens": args.new_tokens, "host_budget": args.host_budget,
                                           "kv_tier": args.kv_tier, "prefetch_depth": args.prefetch_depth},
                                "ratios": ratios, "runs": runs, "wall_seconds": wall})
@@ -864,6 +884,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=128, help="--generate: prompt tokens (default 128)")
     p.add_argument("--new-tokens", type=int, default=32, help="--generate: tokens generated (default 32)")
     p.add_argument("--kv-tier", default="nvme", help="--generate: tiermem kv.tier (default nvme)")
+    p.add_argument("--gen-rounds", type=int, default=1,
+                   help="--generate: run every variant this many times, order rotated (default 1)")
     p.add_argument("--gen-variants", default=",".join(v.key for v in GEN_VARIANTS),
                    help="--generate: comma-separated subset of " + ", ".join(v.key for v in GEN_VARIANTS))
     args = p.parse_args(argv)
@@ -874,6 +896,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     args.variant_list = [BY_KEY[k] for k in check_variants(p, args.variants, list(BY_KEY))]
+    if args.gen_rounds < 1:
+        p.error("--gen-rounds must be >= 1")
     if args.rounds < 1 or args.forwards < 1 or args.layers < 1 or args.width % args.heads or args.retries < 0:
         p.error("--rounds, --forwards and --layers must be >= 1, --retries >= 0, and --width a multiple of --heads")
     return args
