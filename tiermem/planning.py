@@ -175,7 +175,8 @@ class Generation:
     """Bytes one token takes in those layers: keys and values of every sequence and head."""
 
     block_bytes: int
-    """The largest block: kv.block_tokens tokens of one layer for the whole batch; 0 for kv.tier memory."""
+    """The largest block: kv.block_tokens tokens of one layer for the whole batch, placed or not (a cache that
+    does not fit stops at the block that does not); 0 for kv.tier memory."""
 
     kv_bytes: int
     """The cache at its longest, prompt + new_tokens - 1 tokens (the last token's keys are never appended)."""
@@ -1100,7 +1101,8 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
         fixes.append(_kv_fix(store, layer, longest, exc, cfg.activations.host_bytes))
         prefill, steps, reads, step_reads, resident = (None, f"does not fit: {exc}"), [], 0, 0, set()
     blocks = [b.part for x in layers for b in x.blocks]
-    gen = result(cfg.kv.tier, prefill, steps, block_bytes=max((b.size for b in blocks), default=0),
+    largest = max((Layout.of(x.block_spec()).size for x in layers), default=0)
+    gen = result(cfg.kv.tier, prefill, steps, block_bytes=largest,
                  kv_bytes=store.bytes_now(), kv_host_bytes=store.host_bytes,
                  kv_nvme_bytes=sum(b.size for b in blocks if b.home is Tier.NVME),
                  kept_bytes=store.tail_bytes, read_bytes=reads, write_bytes=store.bytes_written,
