@@ -438,6 +438,8 @@ def test_generation_bound_holds_against_a_measured_generate(tmp_path, monkeypatc
     assert took >= g.seconds_min, (took, g)
     assert "tokens/s" in p.summary() and "generate 4 x (10 + 12 tokens)" in p.summary()
     assert p.to_dict()["generation"]["kv_nvme_bytes"] == g.kv_nvme_bytes > 0
+    assert "max_position_embeddings (64)" in plan(model, generate=(1, 60, 8), **settings).generation.note
+    assert "max_position_embeddings" not in g.note
     with pytest.raises(OffloadError, match="generate: plans inference"):
         plan(model, optimizer="adamw", generate=shape, **settings)
     with pytest.raises(OffloadError, match=r"generate: expected \(batch, prompt, new_tokens\)"):

@@ -1011,6 +1011,10 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
         last = steps[-1] if steps else (None, "")
         note = (f"prefill: {prefill[1]}" + (f"; decoding steps: {last[1]}" if steps else "")
                 if prefill[0] is not None or steps else prefill[1])
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if isinstance(positions, int) and prompt + new > positions:  # fake tensors do not index the embedding
+            note += (f"; prompt + new_tokens ({prompt + new}) is past the model's max_position_embeddings "
+                     f"({positions}): a model with learned positions fails there")
         return Generation(batch=batch, prompt=prompt, new_tokens=new, kv_tier=kind, layers=len(layers),
                           untiered_layers=others, token_bytes=per_token, prefill_seconds_min=prefill[0],
                           step_seconds_min=last[0], seconds_min=total,
