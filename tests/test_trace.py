@@ -269,6 +269,83 @@ def test_bandwidth_per_direction_and_directory_is_set_against_the_cached_bench_f
     assert s["bandwidth"]["read"]["paths"] == [str(fast), os_slow]
 
 
+def test_each_pass_is_given_with_its_transfers_and_the_time_they_take_at_the_bench_figures(tmp_path) -> None:
+    """Three passes (microseconds): the first 0-1000 reads 2 MB in 500 and writes 1 MB in 100; the second
+    1000-1500 reads 4 MB in 400; the third 1500-2100 reads two of 2 MB in flight together over 400. At a
+    cached 4 GB/s read and 2 GB/s write, the floors are 1000, 1000 and 1000: the first at 1.0x its floor, the
+    others 0.5x and 0.6x, of which the report gives the first apart and the median of the rest. A read that
+    began before a pass counts in none; with no bench figure there is no floor; a trace without passes has
+    none to give."""
+    from tiermem.io.bandwidth import save_bench_results
+    from tiermem.trace import summarize
+
+    d = tmp_path / "d"
+    d.mkdir()
+    cache = str(tmp_path / "bench-io.json")
+    save_bench_results([str(d)], [{"mode": m, "gbps_mean": g, "engine": "io_uring", "block_size": 1 << 20,
+                                   "queue_depth": 32, "direct": True} for m, g in (("read", 4.0), ("write", 2.0))],
+                       cache)
+    rd, wr = f"read {d}", f"write {d}"
+    spans = [("pass", "pass 1", 0, 1000, {"backward": False}), ("pass", "pass 2", 1000, 1500, {"backward": True}),
+             ("pass", "pass 3", 1500, 2100, {"backward": False}),
+             (rd, "early", -50, 10, {"bytes": 7}), (rd, "a", 0, 500, {"bytes": 2_000_000}),
+             (wr, "w", 600, 700, {"bytes": 1_000_000}), (rd, "b", 1000, 1400, {"bytes": 4_000_000}),
+             (rd, "c", 1500, 1700, {"bytes": 2_000_000}), (rd, "e", 1600, 1900, {"bytes": 2_000_000})]
+    trace = _trace_of(spans)
+    trace["otherData"]["io_tracks"] = {rd: {"op": "read", "path": str(d)}, wr: {"op": "write", "path": str(d)}}
+    p = summarize(trace, bench_cache=cache)["passes"]
+    assert p["count"] == 3 and [r["backward"] for r in p["each"]] == [False, True, False]
+    first = p["first"]
+    assert first["seconds"] == pytest.approx(1e-3) and first["io_busy_share"] == pytest.approx(0.6)
+    assert first["read_bytes"] == 2_000_000 and first["read_gbps"] == pytest.approx(4.0)
+    assert first["write_bytes"] == 1_000_000 and first["write_gbps"] == pytest.approx(10.0)
+    assert first["floor_seconds"] == pytest.approx(1e-3) and first["of_floor"] == pytest.approx(1.0)
+    assert [r["of_floor"] for r in p["each"][1:]] == [pytest.approx(0.5), pytest.approx(0.6)]
+    rest = p["rest"]
+    assert rest["count"] == 2 and rest["seconds"] == pytest.approx(5.5e-4)
+    assert (rest["seconds_min"], rest["seconds_max"]) == (pytest.approx(5e-4), pytest.approx(6e-4))
+    assert rest["io_busy_share"] == pytest.approx((0.8 + 400 / 600) / 2)
+    assert rest["read_bytes"] == 4_000_000 and rest["read_gbps"] == pytest.approx(10.0)
+    assert rest["write_bytes"] == 0 and rest["write_gbps"] is None
+    assert rest["floor_seconds"] == pytest.approx(1e-3) and rest["of_floor"] == pytest.approx(0.55)
+    unbenched = summarize(trace, bench_cache=str(tmp_path / "none.json"))["passes"]
+    assert unbenched["first"]["floor_seconds"] is None and unbenched["rest"]["of_floor"] is None
+    assert summarize(_trace_of([s for s in spans if s[0] != "pass"]), bench_cache=cache)["passes"] is None
+
+
+def test_a_traced_generate_has_a_pass_per_forward_holding_every_read(tmp_path, capsys) -> None:
+    """generate() of 5 tokens with the KV cache on NVMe, traced after a first generate recorded the order: a
+    pass per forward (the prefill and 4 decoding steps, none with a backward), every byte tm.stats() counts as
+    read issued in one of them, each decoding step reading the model's streamed units again; `tiermem report`
+    prints the first pass and the median of the rest."""
+    from tiermem.cli import main
+    from tiermem.trace import summarize
+
+    pytest.importorskip("transformers")
+    model = models.gpt2().eval()
+    ids = torch.randint(1, 500, (2, 6), generator=torch.Generator().manual_seed(0))
+    gen = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False,
+           "pad_token_id": 0}
+    cfg = _cfg(tmp_path, **{"kv.tier": "nvme", "kv.block_tokens": 4, "io.block_size": "256KiB",
+                            "memory.host_budget": "640KiB"})
+    del cfg["optimizer.tier"], cfg["grads.tier"]
+    with tiered_offload(model, **cfg) as tm:
+        model.generate(ids, **gen)
+        tm.reset_stats()
+        with tm.trace(tmp_path / "g.json"):
+            model.generate(ids, **gen)
+        read = tm.stats()["bytes_read"]
+    p = summarize(json.loads((tmp_path / "g.json").read_text()))["passes"]
+    assert p["count"] == 5 and not any(r["backward"] for r in p["each"])
+    assert sum(r["read_bytes"] for r in p["each"]) == read > 0
+    streamed = sum(u.partition.size for u in tm.runtime.units if u.partition.home.name == "NVME"
+                   and u.index not in tm.runtime.schedule.resident)
+    assert streamed > 0 and all(r["read_bytes"] >= streamed for r in p["each"][1:])
+    assert main(["report", str(tmp_path / "g.json")]) == 0
+    out = capsys.readouterr().out
+    assert "passes: 5; the first " in out and "the other 4, median: " in out
+
+
 def test_tiermem_report_reads_a_real_trace_and_refuses_what_is_not_one(tmp_path, capsys) -> None:
     """`tiermem report` on a training trace prints its figures (and --json the same as summarize); a file that
     is not a trace is an error naming it."""

@@ -12,6 +12,8 @@ block ends), tiermem records:
 - one track per swap directory and direction, "read DIR" and "write DIR", with a span per transfer's
   pieces on that directory (the store's stripes) from submission to the transfer's completion: its
   partition, `bytes`, `tier` ("nvme->host", "host->nvme"), swap `file` and `offset` in it, `ok`;
+- on the "pass" track, a span per pass (a top-level forward of the model and, when training, its backward;
+  in generate(), the prefill and each decoding step) begun and ended while recording (`backward`);
 - counters of the bytes each tier holds (host, device, nvme), sampled at every acquisition and at every
   transfer's completion.
 Times are microseconds from the start of recording. Events are appended to a list under a lock (the I/O
@@ -31,7 +33,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-_FIXED_TRACKS = ("compute", "wait", "optimizer", "copy")  # the I/O tracks follow, one per directory and op
+_FIXED_TRACKS = ("compute", "wait", "optimizer", "copy", "pass")  # the I/O tracks follow, one per directory and op
 _OPS = ("read", "write")
 
 
@@ -262,6 +264,7 @@ def summarize(trace: dict[str, Any], bench_cache: str | None = None) -> dict[str
         "waits_by_unit": dict(sorted(((k, v / 1e6) for k, v in waits.items()), key=lambda kv: -kv[1])[:5]),
     }
     out.update(_bandwidth(by_track, other, config, bench_cache))
+    out["passes"] = _passes(by_track, out["bandwidth"])
     classified = _classify_waits(by_track)
     out["wait_reasons"] = _wait_reasons(classified)
     out["deeper_window"] = _deeper_window(by_track, classified, config)
@@ -313,6 +316,60 @@ def _bandwidth(by_track: dict[str, list[dict[str, Any]]], other: dict[str, Any],
         out[f"{op}_gbps"] = per_op[op]["gbps"]
     out["bandwidth"] = {**per_op, "by_path": rows}
     return out
+
+
+# -- passes ------------------------------------------------------------------------------------------------------
+# [Note: passes in a report]
+# A pass is one top-level forward and, when training, its backward: a training step without its optimizer
+# step, or in generate() the prefill and then one decoding step each. The first pass records the order and,
+# in generate(), has a different shape, so the report gives it apart and the median of the others. For each
+# pass: its length, the share of it with any transfer in flight (the disk's busy share), the bytes of the
+# reads and writes that began in it (its span ends once it has issued the next pass's first reads), and
+# their rate while in flight. Its floor is the time those bytes take at
+# what `tiermem bench io` measured on the same directories, reads then writes (a drive does them in turn): a
+# pass near its floor is disk-bound, and only fewer bytes (more room to keep units, compressed weights) or
+# faster drives make it shorter; a pass well above it waits for something else.
+def _passes(by_track: dict[str, list[dict[str, Any]]], bandwidth: dict[str, Any]) -> dict[str, Any] | None:
+    """Each traced pass's figures, the first apart and the median of the rest (see [Note: passes in a report]);
+    None when the trace has no pass spans (a block that saw no pass begin and end, or a trace before them)."""
+    import statistics
+
+    spans = sorted(by_track["pass"], key=lambda e: e["ts"])
+    if not spans:
+        return None
+    io = {op: sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("bytes", 0)) for t in _io_tracks(by_track, op)
+                     for e in by_track[t]) for op in _OPS}
+    busy_all = _union([(a, b) for op in _OPS for a, b, _ in io[op]])
+    rates = {op: bandwidth[op].get("bench_gbps") for op in _OPS}
+    rows = []
+    for e in spans:
+        p0, p1 = e["ts"], e["ts"] + e["dur"]
+        row: dict[str, Any] = {"seconds": e["dur"] / 1e6, "backward": bool(e.get("args", {}).get("backward")),
+                               "io_busy_share": _overlap(busy_all, [(p0, p1)]) / e["dur"] if e["dur"] else 0.0}
+        floor: float | None = 0.0
+        for op in _OPS:
+            began = [(a, b, n) for a, b, n in io[op] if p0 <= a < p1]
+            nbytes = sum(n for _, _, n in began)
+            seconds = _length(_union([(a, b) for a, b, _ in began])) / 1e6
+            row[f"{op}_bytes"] = nbytes
+            row[f"{op}_gbps"] = nbytes / seconds / 1e9 if seconds > 0 else None
+            if nbytes and floor is not None:
+                floor = floor + nbytes / (rates[op] * 1e9) if rates[op] else None
+        row["floor_seconds"] = floor
+        row["of_floor"] = row["seconds"] / floor if floor else None
+        rows.append(row)
+    rest = rows[1:]
+
+    def median(key: str) -> float | None:
+        xs = [r[key] for r in rest if r[key] is not None]
+        return statistics.median(xs) if xs else None
+
+    summary = {key: median(key) for key in ("seconds", "io_busy_share", "read_bytes", "read_gbps", "write_bytes",
+                                            "write_gbps", "floor_seconds", "of_floor")}
+    if rest:
+        summary.update(count=len(rest), seconds_min=min(r["seconds"] for r in rest),
+                       seconds_max=max(r["seconds"] for r in rest))
+    return {"count": len(rows), "first": rows[0], "rest": summary if rest else None, "each": rows}
 
 
 # -- why compute waited ----------------------------------------------------------------------------------------

@@ -56,6 +56,13 @@ def run(args: argparse.Namespace) -> int:
         if len(rows) > 1 or (rows and rows[0]["paths"] != bandwidth[key]["paths"]):
             for r in rows:
                 print(f"    {', '.join(r['paths']) or r['track']}: {_rate(r)}")
+    passes = s["passes"]
+    if passes is not None:
+        first, rest = passes["first"], passes["rest"]
+        print(f"  passes: {passes['count']}; the first {first['seconds']:.3f} s, {_moved(first)}")
+        if rest is not None:
+            print(f"    the other {rest['count']}, median: {rest['seconds']:.3f} s each ({rest['seconds_min']:.3f}-"
+                  f"{rest['seconds_max']:.3f}), {_moved(rest)}")
     if s["waits_by_unit"]:
         print("  waited longest for: " + ", ".join(f"{k} {v:.3f} s" for k, v in s["waits_by_unit"].items()))
     if s["wait_reasons"]:
@@ -67,6 +74,21 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"drawn into {args.plot}")
     return 0
+
+
+def _moved(row: dict[str, Any]) -> str:
+    """A pass's (or the median pass's) transfers: the share of it they were in flight, the bytes and their rate,
+    and how it compares with the time those bytes take at what tiermem bench io measured (its floor)."""
+    parts = [f"transfers in flight {row['io_busy_share']:.0%} of it"]
+    for op, verb in (("read", "read"), ("write", "wrote")):
+        if row[f"{op}_bytes"]:
+            rate = f" at {row[f'{op}_gbps']:.2f} GB/s while in flight" if row[f"{op}_gbps"] else ""
+            parts.append(f"{verb} {row[f'{op}_bytes'] / 1e9:.3f} GB{rate}")
+    if row["floor_seconds"]:
+        parts.append(f"{row['floor_seconds']:.3f} s at tiermem bench io's figures ({row['of_floor']:.2f}x that)")
+    elif row["read_bytes"] or row["write_bytes"]:
+        parts.append("no floor (no tiermem bench io figure for these drives)")
+    return ", ".join(parts)
 
 
 def _rate(row: dict[str, Any]) -> str:
