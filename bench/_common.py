@@ -273,12 +273,13 @@ def engine_bandwidth(path: str, size: str, *, modes: Sequence[str] = ("write", "
 
 
 # -- small shared pieces ------------------------------------------------------------------------------
-def check_variants(parser: argparse.ArgumentParser, text: str, known: Sequence[str]) -> list[str]:
-    """The keys of a comma-separated --variants value; an unknown key is a usage error naming the known ones."""
+def check_variants(parser: argparse.ArgumentParser, text: str, known: Sequence[str],
+                   flag: str = "--variants") -> list[str]:
+    """The keys of a comma-separated `flag` value; an unknown key is a usage error naming the known ones."""
     keys = text.split(",")
     unknown = [k for k in keys if k not in known]
     if unknown:
-        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+        parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     return keys
 
 

@@ -63,7 +63,11 @@ weights are rounded: for it the share of generated tokens equal to the in-memory
 --gen-rounds R every variant runs R times, in its own process each time, the order rotated by one each
 round; each ratio is taken within a round (a paired ratio) and the median of the rounds is reported, with
 the rounds' ratios beside it, since one slow in-memory prefill (this machine's moved between 16 and 26 s at
-B = 32) moves a single run's ratio by a fifth.
+B = 32) moves a single run's ratio by a fifth. With --gen-trace DIR the bench first measures `tiermem bench
+io --mode read` on --swap-dir (which caches the figure), and each tiermem variant's generate() is traced
+into DIR/VARIANT-B-rROUND.json: the decoding steps' median length, disk busy share, bytes read and the time those
+bytes take at that read figure are printed and kept in the JSON (see [Note: passes in a report] in
+tiermem/trace.py); tracing adds its own small cost to the times.
 
     python3 bench/infer_offload.py --generate --json bench/results/infer_generate.json
 GB = 1e9 bytes; MB = 1e6 bytes; MiB = 2**20 bytes; GiB = 2**30 bytes.
@@ -79,7 +83,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -497,8 +501,11 @@ def generate_worker(spec: dict[str, Any]) -> dict[str, Any]:
             steps.clear()
             if tm is not None:
                 tm.reset_stats()
+            trace = (os.path.join(spec["trace_dir"], f"{v.key}-{b}-r{spec['round'] + 1}.json")
+                     if spec.get("trace_dir") and tm else None)
             rb0, c0, t1 = read_bytes_so_far(), time.process_time(), time.perf_counter()
-            tokens = generate(ids, torch.ones_like(ids), spec["new_tokens"])
+            with tm.trace(trace) if trace else nullcontext():
+                tokens = generate(ids, torch.ones_like(ids), spec["new_tokens"])
             seconds, cpu, rb1 = time.perf_counter() - t1, time.process_time() - c0, read_bytes_so_far()
             new = tokens.shape[1] - spec["prompt"]
             entry: dict[str, Any] = {
@@ -508,6 +515,12 @@ def generate_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 "decode_tokens_per_second": b * (new - 1) / sum(steps[1:]) if len(steps) > 1 else None,
                 "disk_read_bytes": rb1 - rb0 if rb0 is not None and rb1 is not None else None,
             }
+            if trace:  # the decoding steps against their disk's floor (see [Note: passes in a report])
+                from tiermem.trace import summarize
+
+                with open(trace, encoding="utf-8") as f:
+                    passes = summarize(json.load(f))["passes"]
+                entry["trace"] = {"path": trace, "first": passes["first"], "rest": passes["rest"]}
             if tm is not None:
                 st = tm.stats()
                 entry.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds")})
@@ -540,14 +553,20 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"  model: GPT2LMHeadModel(n_layer={args.layers}, n_embd={args.width}, n_head={args.heads}), "
           f"{_gb(info['parameter_bytes'])} GB; host budget {format_size(args.host_budget_bytes)}; kv.tier "
           f"{args.kv_tier}; batches {args.batches}, prompt {args.prompt}, {args.new_tokens} new tokens\n", flush=True)
+    read_bw = None
+    if args.gen_trace:  # the floor the traces are set against: tiermem bench io here, now (it caches the figure)
+        os.makedirs(args.gen_trace, exist_ok=True)
+        read_bw = read_bandwidth(args.swap_dir, args.io_size)
+        print(f"  tiermem bench io read on the swap directory: {read_bw['gbps_mean']:.2f} GB/s\n", flush=True)
     runs = []
-    chosen = [v for v in GEN_VARIANTS if v.key in args.gen_variants]
+    chosen = [v for v in GEN_VARIANTS if v.key in args.gen_variant_keys]
     try:
         for rnd in range(args.gen_rounds):
-            for v in chosen[rnd % len(chosen):] + chosen[:rnd % len(chosen)]:  # rotated: no variant always first
+            for v in rotated(chosen, rnd):
                 spec = {"variant": v.key, "model_dir": model_dir, "batches": args.batch_list, "prompt": args.prompt,
                         "new_tokens": args.new_tokens, "host_budget": args.host_budget, "kv_tier": args.kv_tier,
-                        "prefetch_depth": args.prefetch_depth, "swap_dir": args.swap_dir, "logits_dir": logits_dir}
+                        "prefetch_depth": args.prefetch_depth, "swap_dir": args.swap_dir, "logits_dir": logits_dir,
+                        "trace_dir": args.gen_trace, "round": rnd}
                 try:
                     run = run_worker(__file__, "_generate", spec, tag=RESULT_TAG, timeout=SUBPROCESS_TIMEOUT_S * 4,
                                      name=f"worker {v.key}")
@@ -582,6 +601,15 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
                 print(f"{b:>3} {rnd + 1:>3} {v.label:<26} {e['seconds']:>7.1f} {e['tokens_per_second']:>7.2f} "
                       f"{dec if dec is None else f'{dec:.2f}':>12} {e['prefill_seconds']:>9.1f} "
                       f"{_gb(e['disk_read_bytes']):>8} {kv:>10} {str(e['tokens_equal_memory']):>11}")
+    for r in runs:
+        for e in r.get("batches", []):
+            rest = e.get("trace", {}).get("rest")
+            if rest:
+                floor = (f"; {rest['floor_seconds']:.3f} s at tiermem bench io's read, {rest['of_floor']:.2f}x that"
+                         if rest["floor_seconds"] else "")
+                print(f"B={e['batch']} round {r['round'] + 1} {r['variant']}: decoding steps (traced) "
+                      f"{rest['seconds']:.3f} s median, disk busy {rest['io_busy_share']:.0%}, "
+                      f"{rest['read_bytes'] / 1e9:.3f} GB read at {(rest['read_gbps'] or 0):.2f} GB/s in flight{floor}")
     ratios: dict[str, dict[int, dict[str, Any]]] = {}
     for key in ("tiermem", "tiermem_int8"):
         for b in args.batch_list:
@@ -617,7 +645,8 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
                                           "rounds": args.gen_rounds,
                                           "new_tokens": args.new_tokens, "host_budget": args.host_budget,
                                           "kv_tier": args.kv_tier, "prefetch_depth": args.prefetch_depth},
-                               "ratios": ratios, "runs": runs, "wall_seconds": wall})
+                               "ratios": ratios, "runs": runs, "wall_seconds": wall,
+                               **({"read_bandwidth": read_bw} if read_bw else {})})
     return 0
 
 
@@ -886,6 +915,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-tier", default="nvme", help="--generate: tiermem kv.tier (default nvme)")
     p.add_argument("--gen-rounds", type=int, default=1,
                    help="--generate: run every variant this many times, order rotated (default 1)")
+    p.add_argument("--gen-trace", metavar="DIR", default=None,
+                   help="--generate: trace each tiermem variant's generate() into DIR/VARIANT-B-rROUND.json, report its "
+                        "decoding steps against the disk's floor (tiermem report's passes)")
     p.add_argument("--gen-variants", default=",".join(v.key for v in GEN_VARIANTS),
                    help="--generate: comma-separated subset of " + ", ".join(v.key for v in GEN_VARIANTS))
     args = p.parse_args(argv)
@@ -896,6 +928,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     args.variant_list = [BY_KEY[k] for k in check_variants(p, args.variants, list(BY_KEY))]
+    args.gen_variant_keys = check_variants(p, args.gen_variants, [v.key for v in GEN_VARIANTS], "--gen-variants")
     if args.gen_rounds < 1:
         p.error("--gen-rounds must be >= 1")
     if args.rounds < 1 or args.forwards < 1 or args.layers < 1 or args.width % args.heads or args.retries < 0:
