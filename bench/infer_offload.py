@@ -916,8 +916,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gen-rounds", type=int, default=1,
                    help="--generate: run every variant this many times, order rotated (default 1)")
     p.add_argument("--gen-trace", metavar="DIR", default=None,
-                   help="--generate: trace each tiermem variant's generate() into DIR/VARIANT-B-rROUND.json, report its "
-                        "decoding steps against the disk's floor (tiermem report's passes)")
+                   help="--generate: trace each tiermem variant's generate() into DIR/VARIANT-B-rROUND.json, report "
+                        "its decoding steps against the disk's floor (tiermem report's passes)")
     p.add_argument("--gen-variants", default=",".join(v.key for v in GEN_VARIANTS),
                    help="--generate: comma-separated subset of " + ", ".join(v.key for v in GEN_VARIANTS))
     args = p.parse_args(argv)

@@ -53,9 +53,10 @@ Again the figures come from the code that runs, not from a model of it:
   config, as generate() makes it). A layer is kept in blocks when it is one KVStore.adopt would tier (a plain
   DynamicLayer), and it follows the unit acquired last among those in use when it updates, as
   KVStore.begin_update finds it;
-- the blocks are placed by the KV store's own methods (`new_block`, `_home`, `check_block_fits`, `seal`,
-  `keep_tail`) on stand-ins for the swapper and the units, appending the prompt and then one token a step to
-  each layer in order, as TieredLayer._append cuts tokens into blocks;
+- the blocks are placed by a KVStore and its TieredLayers themselves (`check_block_fits`, and
+  `append_tokens`, which cuts tokens into blocks for TieredLayer._append, writing nothing here), on stand-ins
+  for the runtime, the swapper and the units, appending the prompt and then one token a step to each layer in
+  order; `KVStore.streamed` gives each unit's blocks read with it;
 - each decoding step's bound is the pass bound above with the step's blocks in it: the NVMe units the forward
   uses and the NVMe blocks not kept as partial ones are touched every step, the host cache holds at most the
   budget less the host-homed partitions, blocks and kept partial blocks, so at least the rest is read; the
@@ -63,7 +64,11 @@ Again the figures come from the code that runs, not from a model of it:
   the cache, which grow with the context, are not counted) at the probe's rate; the step's bound is the larger.
   The resident plan is `plan_resident` with each unit's blocks as the bytes read with it, as the runtime makes
   it at the end of a pass for the next; a cache that does not fit (kv.tier cpu past the budget, or a block
-  pair beside the unit computing) is a fix, with a value checked by the same code;
+  pair beside the unit computing) is a fix: the largest kv.block_tokens that `check_block_fits` takes, or a
+  budget (for kv.tier cpu, two blocks above the bytes, what the pool was measured to lose to pieces);
+- the KV bytes on the compute device are the whole cache with kv.tier memory, else the largest layer's keys
+  and values at the longest, which its update puts together there; a model with a learned position table
+  given more positions than it has (fake tensors index no embedding) is a fix naming the shape that runs;
 - the prefill reads the weights and writes its sealed blocks, and computes the prompt's products; the whole
   generate() is bounded by the prefill and the `new_tokens - 1` decoding steps after it (the last token's keys
   and values are never appended), and tokens/s by `batch * new_tokens` over that.
@@ -74,7 +79,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import itertools
 import json
 import logging
 import math
@@ -125,11 +129,12 @@ class Fix:
     """One change that makes the plan fit: set `key` to `value` (a config value, e.g. "8MiB")."""
 
     key: str
-    """The config key to change, e.g. ``memory.host_budget``, or ``nvme.paths`` for disk space."""
+    """The config key to change, e.g. ``memory.host_budget``, or ``nvme.paths`` for disk space; ``generate`` for
+    the shape planned with ``generate=`` (a model with learned positions given more than it has)."""
 
     value: Any
-    """A value that fits, as the config takes it (a size string such as ``"8MiB"``), or None when the fix is
-    not a value (free disk space)."""
+    """A value that fits, as the config takes it (a size string such as ``"8MiB"``; for ``generate``, the shape
+    as ``--generate`` takes it, ``BxP+N``), or None when the fix is not a value (free disk space)."""
 
     text: str
     """The fix in words, with the figure it has to reach."""
@@ -190,6 +195,11 @@ class Generation:
     kept_bytes: int
     """Partial blocks with an NVMe home kept in host memory at the end (at most an eighth of the budget)."""
 
+    device_kv_bytes: int
+    """The cache's bytes on the compute device at its longest, beside the units ``peak_bytes["device"]``
+    counts: the whole cache with kv.tier memory; else the keys and values of the largest layer, which each
+    update puts together there for attention (the untiered layers not counted)."""
+
     read_bytes: int
     """NVMe bytes the whole generate() must at least read: weights and blocks."""
 
@@ -234,16 +244,20 @@ class Generation:
             lines.append(f"    at its longest {format_size(self.kv_bytes)}: {format_size(self.kv_host_bytes)} homed on "
                          f"the host, {format_size(self.kv_nvme_bytes)} on NVMe, {format_size(self.kept_bytes)} of "
                          "partial blocks kept in host memory")
+            lines.append(f"    on the compute device beside the units: {format_size(self.device_kv_bytes)}, the "
+                         "largest layer's keys and values as attention reads them")
         else:
-            lines.append(f"    at its longest {format_size(self.kv_bytes)}")
+            lines.append(f"    at its longest {format_size(self.kv_bytes)}, all of it on the compute device beside the "
+                         "units")
         lines.append(f"    NVMe: the last decoding step reads at least {format_size(self.step_read_bytes)}; the whole "
                      f"generate() {format_size(self.read_bytes)} read, {format_size(self.write_bytes)} written"
                      + (f"; {format_size(self.resident_bytes)} kept resident, prefetch depth {self.prefetch_depth}"
                         if self.resident_bytes else ""))
         if self.seconds_min is not None and self.tokens_per_second_max is not None:
-            lines.append(f"    prefill >= {self.prefill_seconds_min:.4g} s, last decoding step >= "
-                         f"{self.step_seconds_min:.4g} s, generate() >= {self.seconds_min:.4g} s: at most "
-                         f"{self.tokens_per_second_max:.4g} tokens/s")
+            step = (f"last decoding step >= {self.step_seconds_min:.4g} s, " if self.step_seconds_min is not None
+                    else "no decoding step (one new token), ")
+            lines.append(f"    prefill >= {self.prefill_seconds_min:.4g} s, {step}generate() >= "
+                         f"{self.seconds_min:.4g} s: at most {self.tokens_per_second_max:.4g} tokens/s")
         lines.append(f"    ({self.note})")
         return lines
 
@@ -965,7 +979,7 @@ def _cache_layers(model: nn.Module, wrap: WrapPlan, shape: tuple[int, int, int],
                 b, h, _, dk = keys.shape
                 unit, held = first.get(idx, (None, ()))
                 layers.append(_Stub(index=idx, shape=(b, h, dk, values.shape[-1]), dtype=keys.dtype, unit=unit,
-                                    held=held, blocks=[]))
+                                    held=held))
     except OffloadError:
         raise
     except Exception as exc:  # noqa: BLE001 - an op without a fake kernel, a model that takes no cache
@@ -987,7 +1001,7 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
     `room` carries the units' sizes, the NVMe ones a pass reads (`used`), the host-homed units' bytes and the
     partition budget. Returns the Generation and the bytes of each block (the host cache holds them as it holds
     the units); what does not fit is added to `fixes`."""
-    from tiermem.runtime.kv_cache import KVStore, TieredLayer
+    from tiermem.runtime.kv_cache import KVStore, TieredLayer, _Group
 
     batch, prompt, new = shape
     dtype = _compute_dtype(model, dtype)
@@ -997,12 +1011,22 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
     per_token = sum(token_bytes(layer) for layer in layers)
     longest = prompt + new - 1
     weights, budget, depth = sum(room.used.values()), room.budget, cfg.prefetch.depth
+    # generate() gives its last token no position, so it uses `longest` positions; fake tensors index no
+    # embedding, so a model with learned positions would fail there only for real
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    past_positions = isinstance(positions, int) and longest > positions
+    learned_positions = past_positions and _learned_positions(model, cast(int, positions))
+    if learned_positions:
+        fixes.append(_positions_fix(shape, cast(int, positions)))
 
     def bound(reads: int, writes: int, flops: float) -> tuple[float | None, str]:
+        """The larger of the traffic's bound and the compute's, as `plan` bounds a pass; the compute's alone
+        when the drives have no bench figures."""
         seconds, how = _step_bound(cfg, reads, writes, bandwidth)
         compute = flops / rate
-        if seconds is not None and compute > seconds:
-            return compute, f"the compute, {flops / 1e9:.3g} GFLOP of matrix products at {rate / 1e9:.3g} GFLOP/s"
+        if seconds is None or compute > seconds:
+            what = f"the compute, {flops / 1e9:.3g} GFLOP of matrix products at {rate / 1e9:.3g} GFLOP/s"
+            return compute, what if seconds is not None else f"{what} (NVMe traffic not bounded: {how})"
         return seconds, how
 
     def result(kind: str, prefill: tuple[float | None, str], steps: list[tuple[float | None, str]],
@@ -1011,10 +1035,10 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
         last = steps[-1] if steps else (None, "")
         note = (f"prefill: {prefill[1]}" + (f"; decoding steps: {last[1]}" if steps else "")
                 if prefill[0] is not None or steps else prefill[1])
-        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        if isinstance(positions, int) and prompt + new > positions:  # fake tensors do not index the embedding
-            note += (f"; prompt + new_tokens ({prompt + new}) is past the model's max_position_embeddings "
-                     f"({positions}): a model with learned positions fails there")
+        if past_positions and not learned_positions:
+            note += (f"; prompt + new_tokens - 1 ({prompt + new - 1} positions) is past the model's "
+                     f"max_position_embeddings ({positions}); its positions are no learned table, so generate() "
+                     "runs, past the length the model was made for")
         return Generation(batch=batch, prompt=prompt, new_tokens=new, kv_tier=kind, layers=len(layers),
                           untiered_layers=others, token_bytes=per_token, prefill_seconds_min=prefill[0],
                           step_seconds_min=last[0], seconds_min=total,
@@ -1026,6 +1050,7 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
                            if cfg.prefetch.keep_resident and depth > 0 else (set(), depth))
         gen = result("memory", bound(reads, 0, prefill_flops), [bound(reads, 0, step_flops)] * (new - 1),
                      block_bytes=0, kv_bytes=per_token * longest, kv_host_bytes=0, kv_nvme_bytes=0, kept_bytes=0,
+                     device_kv_bytes=per_token * longest,
                      read_bytes=reads * new, write_bytes=0, step_read_bytes=reads if new > 1 else 0,
                      resident_bytes=sum(room.used[j] for j in resident), prefetch_depth=depth)
         return gen, []
@@ -1039,80 +1064,81 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
         parts[name] = _Stub(name=name, size=Layout.of(spec).size, home=Tier.of(home))
         return parts[name]
 
+    # the KV store and its layers themselves, on stand-ins for the runtime and the swapper: what they read of those
     swapper = _Stub(config=cfg, partitions=parts, partition_budget=budget, budget_text=room.budget_text, add=add,
                     keep_resident=lambda part, keep: None, write_back=lambda part: None)
-    store = _Stub(runtime=_Stub(units=units, follow=lambda part, unit: None), swapper=swapper, tier=cfg.kv.tier,
-                  block_tokens=cfg.kv.block_tokens, layers=layers, host_bytes=0, tail_bytes=0, bytes_written=0,
-                  peak_bytes=0, _names=itertools.count())
-    for name in ("bytes_now", "_room", "_largest_streamed", "check_block_fits", "new_block", "_home", "seal",
-                 "keep_tail", "_unkeep"):
-        setattr(store, name, MethodType(getattr(KVStore, name), store))  # the KV store's own code
-    for layer in layers:
-        layer.store = store
-        layer.block_spec = MethodType(TieredLayer.block_spec, layer)
+    store = KVStore(cast(Any, _Stub(units=units, swapper=swapper, follow=lambda part, unit: None)))
+    store.active = group = _Group()
+    tiered = []
+    for found in layers:
+        made = TieredLayer(store, group, found.index)
+        made.shape, made.dtype, made.unit, made.is_initialized = found.shape, found.dtype, found.unit, True
+        tiered.append((made, found.held))
 
-    def append(layer: Any, tokens: int) -> None:
-        """Cut `tokens` new tokens into the layer's blocks as TieredLayer._append does."""
-        n = store.block_tokens
-        while tokens:
-            if not layer.blocks or layer.blocks[-1].filled == n:
-                layer.blocks.append(store.new_block(layer))
-            blk = layer.blocks[-1]
-            take = min(n - blk.filled, tokens)
-            blk.dirty_end = max(blk.dirty_end, (blk.filled + take) * token_bytes(layer))
-            blk.filled += take
-            tokens -= take
-            if blk.filled == n:
-                store.seal(blk)
-            else:
-                store.keep_tail(blk)
-
-    def streamed() -> dict[int, int]:
-        """As KVStore.streamed: each unit's blocks read from NVMe with it (those not kept in host memory)."""
-        out: dict[int, int] = {}
-        for layer in layers:
-            n = sum(b.part.size for b in layer.blocks if b.part.home is Tier.NVME and not b.kept)
-            if n and layer.unit is not None:
-                out[layer.unit] = out.get(layer.unit, 0) + n
-        return out
+    def append(layer: TieredLayer, tokens: int) -> None:
+        layer.append_tokens(tokens, lambda blk, done, take: None)  # the blocks placed, nothing written
 
     def left() -> int:
         """The budget less the host-homed units and blocks and the kept partial blocks, as the runtime plans."""
         return budget - room.host_fixed - store.host_bytes - store.tail_bytes
 
-    layer = layers[0] if layers else None
+    layer: TieredLayer | None = tiered[0][0] if tiered else None
     try:
-        for layer in layers:  # the prefill; each layer's first update checks its block (lazy_initialization)
+        for layer, held in tiered:  # the prefill; each layer's first update checks its block (lazy_initialization)
             for u in units:
-                u.depth = 1 if u.index in layer.held else 0
+                u.depth = 1 if u.index in held else 0
             store.check_block_fits(layer)
             append(layer, prompt)
         prefill_reads = max(0, weights - (budget - room.host_fixed))
         prefill = bound(prefill_reads, store.bytes_written, prefill_flops)
         reads, steps, step_reads = prefill_reads, [], 0
-        resident, depth = (plan_resident(room.used, left(), depth, streamed())
+        resident, depth = (plan_resident(room.used, left(), depth, store.streamed())
                            if cfg.prefetch.keep_resident and depth > 0 and new == 1 else (set(), depth))
         for k in range(new - 1):
-            step_reads = max(0, weights + sum(streamed().values()) - left())
+            step_reads = max(0, weights + sum(store.streamed().values()) - left())
             if k == new - 2 and cfg.prefetch.keep_resident and depth > 0:  # planned again at the step's start
-                resident, depth = plan_resident(room.used, left(), cfg.prefetch.depth, streamed())
+                resident, depth = plan_resident(room.used, left(), cfg.prefetch.depth, store.streamed())
             written = store.bytes_written
-            for layer in layers:
+            for layer, _ in tiered:
                 append(layer, 1)
             steps.append(bound(step_reads, store.bytes_written - written, step_flops))
             reads += step_reads
     except BudgetError as exc:  # the runtime would raise it: no bounds, a fix
         fixes.append(_kv_fix(store, layer, longest, exc, cfg.activations.host_bytes))
         prefill, steps, reads, step_reads, resident = (None, f"does not fit: {exc}"), [], 0, 0, set()
-    blocks = [b.part for x in layers for b in x.blocks]
-    largest = max((Layout.of(x.block_spec()).size for x in layers), default=0)
+    blocks = [b.part for x, _ in tiered for b in x.blocks]
+    largest = max((Layout.of(x.block_spec()).size for x, _ in tiered), default=0)
     gen = result(cfg.kv.tier, prefill, steps, block_bytes=largest,
                  kv_bytes=store.bytes_now(), kv_host_bytes=store.host_bytes,
                  kv_nvme_bytes=sum(b.size for b in blocks if b.home is Tier.NVME),
                  kept_bytes=store.tail_bytes, read_bytes=reads, write_bytes=store.bytes_written,
+                 device_kv_bytes=max((x.token_bytes for x, _ in tiered), default=0) * longest,
                  step_read_bytes=step_reads, resident_bytes=sum(room.used[j] for j in resident),
                  prefetch_depth=depth)
     return gen, [b.size for b in blocks]
+
+
+def _learned_positions(model: nn.Module, positions: int) -> bool:
+    """Whether the model embeds positions with a table of `positions` rows or more (GPT-2's `wpe`, BERT's
+    `position_embeddings`, OPT's `embed_positions`), which a longer sequence indexes past."""
+    return any(isinstance(mod, nn.Embedding) and mod.num_embeddings >= positions
+               and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe")) for name, mod in model.named_modules())
+
+
+def _positions_fix(shape: tuple[int, int, int], positions: int) -> Fix:
+    """generate() of `shape` would index a learned position table of `positions` rows past its end."""
+    batch, prompt, new = shape
+    problem = (f"generate: a prompt of {prompt} tokens and {new} new tokens use {prompt + new - 1} positions, and the "
+               f"model's learned position embedding has {positions} (max_position_embeddings): generate() would "
+               "fail with an index error")
+    if prompt < positions:
+        most = positions - prompt + 1
+        return Fix("generate", f"{batch}x{prompt}+{most}", f"generate at most {most} new tokens after this prompt "
+                   f"(generate=({batch}, {prompt}, {most}), --generate {batch}x{prompt}+{most}), or shorten the "
+                   "prompt", problem)
+    shorter = positions - new + 1
+    return Fix("generate", f"{batch}x{shorter}+{new}", f"shorten the prompt to {shorter} tokens or less for {new} new "
+               f"tokens (--generate {batch}x{shorter}+{new})", problem)
 
 
 def _kv_fix(store: Any, layer: Any, longest: int, exc: BudgetError, activations: int) -> Fix:
@@ -1130,12 +1156,16 @@ def _kv_fix(store: Any, layer: Any, longest: int, exc: BudgetError, activations:
             store.block_tokens = wanted
             return Fix("kv.block_tokens", k, f"lower kv.block_tokens to {k} or less (kv.block_tokens: {k}), lower the "
                        "batch, or raise memory.host_budget", problem)
-        store.block_tokens = 1
-        size = Layout.of(layer.block_spec()).size
+        # no block of even one token fits: the budget that fits a pair of the blocks asked for
         store.block_tokens = wanted
+        size = Layout.of(layer.block_spec()).size
         held = sum(u.partition.size for u in store.runtime.units if u.depth > 0 and u.partition.home is Tier.NVME)
         room, _ = store._room(held)
-        return _host_fix(store.swapper.partition_budget + 2 * size - room + activations, problem)
+        need = store.swapper.partition_budget + 2 * size - room + activations
+        value = _size_value(need)
+        return Fix("memory.host_budget", value, f"raise memory.host_budget to at least {format_size(need)} "
+                   f"(memory.host_budget: {value}) for blocks of {wanted} tokens; no smaller kv.block_tokens fits "
+                   "under this budget; or lower the batch", problem)
     size = Layout.of(layer.block_spec()).size
     blocks = sum(-(-longest // wanted) * Layout.of(x.block_spec()).size for x in store.layers)
     room, _ = store._room(store._largest_streamed())  # kv.tier cpu: room beside one streamed unit

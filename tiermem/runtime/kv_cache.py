@@ -36,6 +36,7 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -230,22 +231,32 @@ class TieredLayer(CacheLayerMixin):
             pos += blk.filled
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        store, sw, n = self.store, self.store.swapper, self.store.block_tokens
+        store, sw = self.store, self.store.swapper
         new = torch.cat([key_states, value_states], dim=-1).permute(2, 0, 1, 3)  # [tokens, batch, heads, dk + dv]
-        done, total = 0, new.shape[0]
+
+        def write(blk: _Block, done: int, take: int) -> None:
+            store.note_read(blk)
+            views = sw.acquire(blk.part, Tier.HOST)
+            try:
+                views["kv"][blk.filled:blk.filled + take].copy_(new[done:done + take])
+            finally:
+                sw.release(blk.part, dirty=True, dirty_end=(blk.filled + take) * self.token_bytes, tier=Tier.HOST)
+
+        self.append_tokens(new.shape[0], write)
+
+    def append_tokens(self, total: int, write: Callable[[_Block, int, int], None]) -> None:
+        """Cut `total` new tokens into blocks: a new block whenever the last is full, `write(block, tokens done,
+        tokens taken)` for each piece, then the block sealed when it fills or kept as the partial one. The plan
+        (tiermem/planning.py) places a generate()'s blocks with it, writing nothing."""
+        store, n = self.store, self.store.block_tokens
+        done = 0
         while done < total:
             if not self.blocks or self.blocks[-1].filled == n:
                 self.blocks.append(store.new_block(self))
             blk = self.blocks[-1]
             take = min(n - blk.filled, total - done)
-            store.note_read(blk)
-            views = sw.acquire(blk.part, Tier.HOST)
-            end = (blk.filled + take) * self.token_bytes
-            try:
-                views["kv"][blk.filled:blk.filled + take].copy_(new[done:done + take])
-            finally:
-                sw.release(blk.part, dirty=True, dirty_end=end, tier=Tier.HOST)
-            blk.dirty_end = max(blk.dirty_end, end)
+            write(blk, done, take)
+            blk.dirty_end = max(blk.dirty_end, (blk.filled + take) * self.token_bytes)
             blk.filled += take
             done += take
             if blk.filled == n:
