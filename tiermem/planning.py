@@ -1011,6 +1011,7 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
     per_token = sum(token_bytes(layer) for layer in layers)
     longest = prompt + new - 1
     weights, budget, depth = sum(room.used.values()), room.budget, cfg.prefetch.depth
+    weights_read = max(0, weights - (budget - room.host_fixed))  # the least a pass reads with no KV blocks in it
     # generate() gives its last token no position, so it uses `longest` positions; fake tensors index no
     # embedding, so a model with learned positions would fail there only for real
     positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -1045,7 +1046,7 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
                           tokens_per_second_max=batch * new / total if total else None, note=note, **figures)
 
     if cfg.kv.tier == "memory":  # transformers' own cache on the compute device: each step reads the weights only
-        reads = max(0, weights - (budget - room.host_fixed))
+        reads = weights_read
         resident, depth = (plan_resident(room.used, budget - room.host_fixed, depth)
                            if cfg.prefetch.keep_resident and depth > 0 else (set(), depth))
         gen = result("memory", bound(reads, 0, prefill_flops), [bound(reads, 0, step_flops)] * (new - 1),
@@ -1089,7 +1090,7 @@ def _generation(model: nn.Module, cfg: Config, wrap: WrapPlan, room: Any, dtype:
                 u.depth = 1 if u.index in held else 0
             store.check_block_fits(layer)
             append(layer, prompt)
-        prefill_reads = max(0, weights - (budget - room.host_fixed))
+        prefill_reads = weights_read
         prefill = bound(prefill_reads, store.bytes_written, prefill_flops)
         reads, steps, step_reads = prefill_reads, [], 0
         resident, depth = (plan_resident(room.used, left(), depth, store.streamed())
