@@ -342,7 +342,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             handle.optimizer = TieredOptimizer(optimizer, runtime.units, swapper,
                                                mixed=override not in (None, torch.float32),
                                                loss_scaling=override is torch.float16,
-                                               on_record=runtime.prefetch_pending)
+                                               on_record=runtime.prefetch_pending, model_order=model.parameters())
             runtime.optimizer = handle.optimizer
             patched = _delegate(optimizer, handle.optimizer)
         runtime.register_hooks()

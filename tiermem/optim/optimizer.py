@@ -117,13 +117,17 @@ class TieredOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, original: torch.optim.Optimizer, units: list[Unit], swapper: TensorSwapper,
-                 mixed: bool, loss_scaling: bool = False, on_record: Callable[[], None] | None = None) -> None:
+                 mixed: bool, loss_scaling: bool = False, on_record: Callable[[], None] | None = None,
+                 model_order: Iterable[nn.Parameter] = ()) -> None:
         if type(original) not in SUPPORTED_OPTIMIZERS:
             names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
             raise OptimizerError(f"optimizer: {type(original).__module__}.{type(original).__name__} is not supported "
                                  f"under tiered_offload; use one of {names}")
         super().__init__([{**g, "params": list(g["params"])} for g in original.param_groups], original.defaults)
         self.param_groups = original.param_groups  # shared dicts: lr changes and schedulers act on both
+        # each parameter's place in model.parameters(), the order torch's clip_grad_norm_ stacks the norms in (a
+        # unit's partitions hold the parameters by param group: see offload's [Note: training state per unit])
+        self.model_rank = {id(p): i for i, p in enumerate(model_order)}
         self.original = original
         self.kind = type(original)
         self.swapper = swapper
@@ -535,16 +539,19 @@ class TieredOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
         self._apply_to_kept_grads()  # the norm is of the gradients as the last step left them, as torch's
-        norms: list[torch.Tensor] = []
+        ranked: list[tuple[int, torch.Tensor]] = []
         for st in self.units:
             if not st.has_grad:
                 continue
             grads = self.swapper.acquire(st.grads, Tier.HOST)
             try:
-                norms.extend(torch.linalg.vector_norm(grads[f], norm_type) for f, _, _ in st.trainable
-                             if f in st.has_grad)
+                last = len(self.model_rank)
+                ranked.extend((self.model_rank.get(id(p), last), torch.linalg.vector_norm(grads[f], norm_type))
+                              for f, p, _ in st.trainable if f in st.has_grad)
             finally:
                 self.swapper.release(st.grads)
+        # in the model's order, as torch stacks them: the total's rounding depends on it
+        norms = [n for _, n in sorted(ranked, key=lambda rn: rn[0])]
         ranks = self.units[0].unit.ranks if self.units else None
         if ranks is not None and ranks.sharded:  # each rank has its chunks of every gradient: combine
             if norm_type == float("inf"):
