@@ -4,7 +4,8 @@
 With kv.tier other than memory, the runtime puts layers of its own into the transformers cache a model's
 forward is given (generate() makes a DynamicCache and passes it to every step), so generate() runs
 unchanged; `tm.kv_cache()` makes one to pass by hand. Only a cache no forward has filled is taken, and only
-its plain full-attention layers (sliding-window layers are bounded and stay as they are).
+its plain full-attention layers (sliding-window layers are bounded and stay as they are); an encoder-decoder's
+EncoderDecoderCache has its self-attention cache taken (see `KVStore.adopt`).
 
 A layer's keys and values are cut along the sequence into blocks of kv.block_tokens tokens for the whole
 batch, one partition each, laid out token-major ([tokens, batch, heads, key dim + value dim]): appending a
@@ -47,7 +48,7 @@ from tiermem.sizes import format_size
 from tiermem.swap import Layout, Partition, Tier
 
 try:
-    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, EncoderDecoderCache
 except ImportError as exc:  # transformers is an extra; older ones have no cache layers
     raise OffloadError(f"kv.tier other than memory needs transformers 5 (its cache layers): {exc}; install "
                        "transformers, or set kv.tier: memory") from exc
@@ -356,11 +357,19 @@ class KVStore:
         return cache
 
     def adopt(self, cache: Any) -> bool:
-        """Give `cache` tiered layers if it is a transformers Cache no forward has filled; True when it has them."""
+        """Give `cache` tiered layers if it is a transformers Cache no forward has filled; True when it has them.
+        An encoder-decoder's cache has its decoder's self-attention cache tiered: that one grows with every token,
+        while the cross-attention cache holds the encoder's keys and values, whose length the prompt fixes, and
+        transformers reads its layers' tensors directly, so it stays as it is (as sliding-window layers do)."""
         self.check_open()
         if getattr(cache, "_tiermem_kv", None) is self:
             return True
+        if isinstance(cache, EncoderDecoderCache):
+            return self.adopt(cache.self_attention_cache)
         if not isinstance(cache, Cache) or getattr(cache, "offloading", False):
+            return False
+        if not isinstance(getattr(cache, "layers", None), list):  # a cache class of its own: left as it is
+            log.debug("kv.tier: leaving a %s without cache layers as it is", type(cache).__name__)
             return False
         plain = [type(layer) is DynamicLayer for layer in cache.layers]
         filled = any(getattr(layer, "is_initialized", False) for layer in cache.layers)
