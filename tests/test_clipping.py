@@ -1,0 +1,89 @@
+"""torch.nn.utils.clip_grad_norm_ in a loop left as PyTorch has it: inside tiered_offload it clips the
+gradients in their tiers (see [Note: torch's clipping inside the context] in tiermem/optim/clipping.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests import models
+from tiermem import OffloadError, tiered_offload
+
+pytest.importorskip("transformers")
+
+
+def cfg(tmp_path: Any) -> dict[str, Any]:
+    return {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme", "nvme.paths": [str(tmp_path / "swap")],
+            "memory.host_budget": "8MiB", "wrap.min_unit_bytes": 0}
+
+
+def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = models.gpt2().train()
+    model.config.use_cache = False
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("clip", [torch.nn.utils, torch.nn.utils.clip_grad], ids=["nn.utils", "nn.utils.clip_grad"])
+def test_a_pytorch_loop_clipping_with_torch_trains_as_in_memory(tmp_path, compute_device, clip) -> None:
+    """loss.backward(), clip_grad_norm_(model.parameters(), 0.05) (it clips at every step), step, zero_grad:
+    the norms torch's function returns, the losses and the weights equal plain PyTorch's, bit for bit. Before,
+    torch's function found no .grad under the context, returned 0 and clipped nothing."""
+    data = [torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    results = []
+    for offloaded in (False, True):
+        model, opt = model_and_optimizer()
+        seen: list[tuple[float, float]] = []
+
+        def loop(model: nn.Module = model, opt: torch.optim.Optimizer = opt, seen: list = seen) -> None:
+            for x in data:
+                loss = model(x, labels=x).loss
+                loss.backward()
+                seen.append((loss.item(), float(clip.clip_grad_norm_(model.parameters(), 0.05))))
+                opt.step()
+                opt.zero_grad()
+
+        if offloaded:
+            with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+                loop()
+                assert tm.stats()["bytes_read"] > 0
+        else:
+            loop()
+        results.append((seen, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (want, want_w), (got, got_w) = results
+    assert got == want and all(norm > 0.05 for _, norm in want)  # clipping was active every step
+    assert [n for n in want_w if not torch.equal(want_w[n], got_w[n])] == []
+
+
+def test_clipping_what_the_tiers_cannot_is_an_error_and_torch_is_put_back(tmp_path) -> None:
+    """Some of the model's parameters, or them beside another model's gradients, or clipping by value, raise
+    naming what to do; a model not offloaded is clipped by torch's own function; a non-finite total raises with
+    error_if_nonfinite, as torch's does; on exit torch's functions are back."""
+    torch_norm, torch_value = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_
+    model, opt = model_and_optimizer()
+    other = nn.Linear(3, 3)
+    other(torch.ones(1, 3)).sum().backward()
+    x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
+        assert torch.nn.utils.clip_grad_norm_ is not torch_norm
+        model(x, labels=x).loss.backward()
+        params = list(model.parameters())
+        with pytest.raises(OffloadError, match=rf"given {len(params) - 1} of the {len(params)} trainable parameters "
+                                               r"of the GPT2LMHeadModel .* call tm\.clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(params[1:], 1.0)
+        with pytest.raises(OffloadError, match="and 2 parameters with gradients of no offloaded model"):
+            torch.nn.utils.clip_grad_norm_([*params, *other.parameters()], 1.0)
+        with pytest.raises(OffloadError, match="clip_grad_value_: .* clip by norm"):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+        want = torch_norm(nn.Linear(3, 3).requires_grad_(False).parameters(), 1.0)  # no gradients: 0
+        assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)) > 1e-3 >= float(want)
+        assert float(torch_norm(other.parameters(), 1.0)) == pytest.approx(1e-3, rel=1e-3)  # torch's clipped them
+        opt.zero_grad()
+        (model(x, labels=x).loss * float("inf")).backward()
+        with pytest.raises(RuntimeError, match="non-finite"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        opt.zero_grad()
+    assert torch.nn.utils.clip_grad_norm_ is torch_norm and torch.nn.utils.clip_grad_value_ is torch_value
+    assert torch.nn.utils.clip_grad.clip_grad_norm_ is torch_norm

@@ -1,0 +1,104 @@
+"""torch.nn.utils.clip_grad_norm_ and clip_grad_value_ on the parameters of a model under tiered_offload.
+
+# [Note: torch's clipping inside the context]
+A training loop written for PyTorch clips with `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`,
+and HF Trainer and accelerate call it so. Under tiered_offload the gradients live in their tiers, not in
+`.grad`, so torch's function finds none: it returns 0 and clips nothing, and the loop trains differently
+without a word. While a context with an optimizer is open, the function in `torch.nn.utils` (and in
+`torch.nn.utils.clip_grad`) is replaced by one that hands an offloaded model's parameters to
+`tm.clip_grad_norm_` (the same total, bit for bit, and the same clipping) and everything else to torch's.
+- Given only some of an offloaded model's trainable parameters, or those of two models, or those of one
+  beside gradients of others, it raises: the tiers clip one whole model at once.
+- `clip_grad_value_` of offloaded parameters raises. It is not supported; use `clip_grad_norm_`.
+- A module that took the function itself before the context began (`from torch.nn.utils import
+  clip_grad_norm_`) keeps torch's. Call `tm.clip_grad_norm_` there.
+- The functions are put back when the last such context ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.utils import clip_grad as _clip_module
+
+from tiermem.errors import OffloadError
+
+_TORCH: dict[str, Callable[..., Any]] = {"clip_grad_norm_": _clip_module.clip_grad_norm_,
+                                         "clip_grad_value_": _clip_module.clip_grad_value_}
+_owner: dict[int, Any] = {}  # id(parameter) -> the OffloadHandle of the context training it
+_handles: list[Any] = []  # the open contexts with an optimizer, in the order they began
+
+
+def _trainable(tm: Any) -> set[int]:
+    return {id(p) for st in tm.optimizer.units for _, p, _ in st.trainable}
+
+
+def _split(parameters: Any) -> tuple[list[Any], Any]:
+    """The parameters given, and the one context that trains them (None: no offloaded ones among them)."""
+    given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owners = {id(_owner[id(p)]): _owner[id(p)] for p in given if id(p) in _owner}
+    if len(owners) > 1:
+        raise OffloadError("torch.nn.utils clipping was given the parameters of two models under tiered_offload: "
+                           "each clips its own whole model, so clip each model's parameters apart (or call each "
+                           "tm.clip_grad_norm_)")
+    return given, next(iter(owners.values()), None)
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, with an offloaded model's gradients clipped in their tiers (see [Note:
+    torch's clipping inside the context])."""
+    given, tm = _split(parameters)
+    if tm is None:
+        return _TORCH["clip_grad_norm_"](given, max_norm, norm_type, error_if_nonfinite, foreach)
+    trainable = _trainable(tm)
+    mine = {id(p) for p in given if id(p) in trainable}
+    others = [p for p in given if id(p) not in _owner and p.grad is not None]
+    if mine != trainable or others:
+        besides = f" and {len(others)} parameters with gradients of no offloaded model" if others else ""
+        raise OffloadError(
+            f"torch.nn.utils.clip_grad_norm_: given {len(mine)} of the {len(trainable)} trainable parameters of the "
+            f"{type(tm.model).__name__} under tiered_offload{besides}; its gradients live in its tiers and are "
+            "clipped for the whole model at once: pass model.parameters(), or call tm.clip_grad_norm_(max_norm)")
+    total = tm.clip_grad_norm_(max_norm, norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and scale the gradients by "
+                           "the non-finite norm anyway, set `error_if_nonfinite=False`")
+    return total
+
+
+def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = None) -> None:
+    """torch.nn.utils.clip_grad_value_, refused for an offloaded model's parameters."""
+    given, tm = _split(parameters)
+    if tm is not None:
+        raise OffloadError(f"torch.nn.utils.clip_grad_value_: the {type(tm.model).__name__} is under tiered_offload, "
+                           "whose gradients live in its tiers, and clipping by value is not supported there; clip "
+                           "by norm (torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or "
+                           "tm.clip_grad_norm_)")
+    _TORCH["clip_grad_value_"](given, clip_value, foreach)
+
+
+def enter(tm: Any) -> None:
+    """A context training `tm.model` began: torch's clipping hands its parameters to it."""
+    for _, p, _ in (x for st in tm.optimizer.units for x in st.trainable):
+        _owner[id(p)] = tm
+    _handles.append(tm)
+    for name, ours in (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_)):
+        setattr(torch.nn.utils, name, ours)
+        setattr(_clip_module, name, ours)
+
+
+def leave(tm: Any) -> None:
+    """That context ended: its parameters are torch's again, and with the last context so are the functions."""
+    if tm not in _handles:
+        return
+    _handles.remove(tm)
+    for key in [k for k, owner in _owner.items() if owner is tm]:
+        del _owner[key]
+    if not _handles:
+        for name, theirs in _TORCH.items():
+            setattr(torch.nn.utils, name, theirs)
+            setattr(_clip_module, name, theirs)
