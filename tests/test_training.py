@@ -320,6 +320,42 @@ def test_float16_dynamic_loss_scaling_skips_overflow_steps(tmp_path) -> None:
             assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
+def test_float16_with_a_plain_loss_backward_is_not_divided_by_a_scale_never_applied(tmp_path, caplog) -> None:
+    """float16 params and a loop calling loss.backward() instead of tm.backward: the loss was not scaled, so the
+    step must not divide by the scale. Two SGD steps equal the recipe by hand without scaling (fp16 model, fp32
+    gradients and master weights); a warning says once that tm.backward scales the loss. Before, the update came
+    out 65536 times too small. Both kinds of backward in one step cannot be unscaled: an error."""
+    from tiermem.errors import OptimizerError
+
+    data = batches(2)
+    ref = mlp().half()
+    master = [p.detach().float().clone() for p in ref.parameters()]
+    for x, y in data:
+        ref.zero_grad()
+        _fp16_loss(ref, x, y).backward()
+        with torch.no_grad():
+            for m, p in zip(master, ref.parameters(), strict=True):
+                m.add_(p.grad.float(), alpha=-0.1)  # as torch.optim.SGD updates
+                p.copy_(m.half())
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="tiermem"):
+        with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"params.dtype": "float16"})) as tm:
+            for x, y in data:
+                _fp16_loss(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+            with tm.gathered():
+                got = [p.detach().clone() for p in model.parameters()]
+            tm.backward(_fp16_loss(model, *data[0]))
+            _fp16_loss(model, *data[1]).backward()
+            with pytest.raises(OptimizerError, match=r"both with tm\.backward\(loss\) .* and with loss\.backward"):
+                opt.step()
+            opt.zero_grad()
+    assert [torch.equal(a, b.detach()) for a, b in zip(got, ref.parameters(), strict=True)] == [True] * len(got)
+    assert sum("loss.backward() was called without tm.backward(loss)" in r.getMessage() for r in caplog.records) == 1
+
+
 def _fp16_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((model(x.half()).float() - y) ** 2).mean()  # the loss in float32, as autocast would compute it
 

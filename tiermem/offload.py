@@ -101,7 +101,14 @@ class OffloadHandle:
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the dynamic loss scale applied when parameters are float16 (else the same)."""
         self._check_open("tm.backward")
-        (self.optimizer.scale_loss(loss) if self.optimizer is not None else loss).backward()
+        if self.optimizer is None:
+            loss.backward()
+            return
+        self.optimizer.scaling_next_backward = True  # the backward's first hook notes it (`backward_began`)
+        try:
+            self.optimizer.scale_loss(loss).backward()
+        finally:
+            self.optimizer.scaling_next_backward = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""

@@ -140,6 +140,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._good_steps = 0  # steps since the scale last changed
         self.found_inf = False  # an inf/nan gradient arrived since zero_grad: the next step is skipped
         self.skipped_steps = 0
+        # whether each backward since the last step had its loss scaled (tm.backward) or not (loss.backward()):
+        # gradients are divided by the scale only when it was applied (see `loss_scale_now`)
+        self.backward_scaled: list[bool] = []
+        self.scaling_next_backward = False  # set by tm.backward just before it calls backward
+        self._warned_unscaled = False
         self.lazy = swapper.config.optimizer.update == "lazy"  # see [Note: lazy update]
         self.pending: dict[int, tuple[StepSettings, frozenset[str]]] = {}  # unit -> its recorded update
         self.on_record = on_record  # called when step() has recorded updates: start reading what comes first
@@ -535,6 +540,32 @@ class TieredOptimizer(torch.optim.Optimizer):
             st.has_grad.clear()
         self._clip_scale = None
         self.found_inf = False
+        self.backward_scaled.clear()
+
+    def backward_began(self) -> None:
+        """A backward reached the model (the runtime's hook): note whether tm.backward scaled its loss."""
+        self.backward_scaled.append(self.scaling_next_backward)
+        self.scaling_next_backward = False
+
+    def loss_scale_now(self) -> float:
+        """What this step's gradients carry of the loss scale: the scale when tm.backward applied it, 1 when
+        every backward was a plain loss.backward() (float16 gradients unscaled, which may underflow: a warning
+        says so once). Both in one step cannot be told apart in the sums: an error."""
+        if not self.loss_scaling:
+            return 1.0
+        scaled = self.backward_scaled
+        if all(scaled):
+            return self.scale
+        if any(scaled):
+            raise OptimizerError("params.dtype float16: this step's gradients come from backwards both with "
+                                 "tm.backward(loss) (loss scaled) and with loss.backward() (not), and their sum "
+                                 "cannot be unscaled; call tm.backward(loss) for every micro-batch")
+        if not self._warned_unscaled:
+            log.warning("params.dtype float16: loss.backward() was called without tm.backward(loss), so the loss "
+                        "was not scaled and small float16 gradients may underflow to zero; call tm.backward(loss) "
+                        "(the step divides by the scale only when it was applied)")
+            self._warned_unscaled = True
+        return 1.0
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
@@ -552,18 +583,19 @@ class TieredOptimizer(torch.optim.Optimizer):
                 self.swapper.release(st.grads)
         # in the model's order, as torch stacks them: the total's rounding depends on it
         norms = [n for _, n in sorted(ranked, key=lambda rn: rn[0])]
+        scale = self.loss_scale_now()
         ranks = self.units[0].unit.ranks if self.units else None
         if ranks is not None and ranks.sharded:  # each rank has its chunks of every gradient: combine
             if norm_type == float("inf"):
                 local = torch.stack(norms).max() if norms else torch.tensor(0.0)
-                total = ranks.all_reduce(local.reshape(1).float(), "max")[0] / self.scale
+                total = ranks.all_reduce(local.reshape(1).float(), "max")[0] / scale
             else:
                 local = torch.stack([n.float() ** norm_type for n in norms]).sum() if norms else torch.tensor(0.0)
-                total = ranks.all_reduce(local.reshape(1), "sum")[0] ** (1.0 / norm_type) / self.scale
+                total = ranks.all_reduce(local.reshape(1), "sum")[0] ** (1.0 / norm_type) / scale
         elif not norms:
             return torch.tensor(0.0)
         else:
-            total = torch.linalg.vector_norm(torch.stack(norms), norm_type) / self.scale  # of the unscaled gradients
+            total = torch.linalg.vector_norm(torch.stack(norms), norm_type) / scale  # of the unscaled gradients
         coef = float(max_norm) / (total + 1e-6)
         self._clip_scale = float(torch.clamp(coef, max=1.0))
         return total
@@ -578,14 +610,18 @@ class TieredOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.loss_scaling and self.units and self.units[0].unit.ranks.sharded:  # skip on every rank, or none
             self.found_inf = bool(self.units[0].unit.ranks.all_reduce(torch.tensor([float(self.found_inf)]), "max")[0])
+        scale = self.loss_scale_now()
+        applied = self.loss_scaling and all(self.backward_scaled)  # tm.backward scaled this step's losses
+        self.backward_scaled.clear()
         if self.loss_scaling and self.found_inf:  # as GradScaler: skip the step, lower the scale
-            self.scale *= self.backoff_factor
-            self._good_steps = 0
+            if applied:
+                self.scale *= self.backoff_factor
+                self._good_steps = 0
             self.skipped_steps += 1
             self._clip_scale = None
             log.info("inf/nan gradients: step skipped, loss scale now %g", self.scale)
             return loss
-        settings = StepSettings([_snapshot(g) for g in self.param_groups], (self._clip_scale or 1.0) / self.scale)
+        settings = StepSettings([_snapshot(g) for g in self.param_groups], (self._clip_scale or 1.0) / scale)
         self._apply_to_kept_grads()
         todo = [st for st in self.units if st.has_grad]
         if self.lazy:
@@ -596,7 +632,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         else:
             self._update_many([(st, settings, frozenset(st.has_grad)) for st in todo])
         self._clip_scale = None
-        if self.loss_scaling:
+        if applied:
             self._good_steps += 1
             if self._good_steps == self.growth_interval:
                 self.scale *= self.growth_factor

@@ -267,6 +267,8 @@ class Runtime:
             self._in_backward = True
             self._backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            if self.optimizer is not None:
+                self.optimizer.backward_began()  # whether tm.backward scaled its loss
 
     def _abandon_backward(self) -> None:
         """Autograd drops the end callback of a backward that raised (a read that failed, a Ctrl-C): give back
