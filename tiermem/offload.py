@@ -31,7 +31,7 @@ from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadErr
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.bandwidth import path_weights
 from tiermem.io.engine import IOEngine
-from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer, clipping
+from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer, loop_helpers
 from tiermem.quant import Quantization
 from tiermem.runtime.runtime import Runtime
 from tiermem.runtime.safetensors_io import SafetensorsCheckpoint
@@ -352,7 +352,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                                                on_record=runtime.prefetch_pending, model_order=model.parameters())
             runtime.optimizer = handle.optimizer
             patched = _delegate(optimizer, handle.optimizer)
-            clipping.enter(handle)  # see [Note: torch's clipping inside the context] in tiermem/optim/clipping.py
+            loop_helpers.enter(handle)  # see [Note: torch's loop helpers inside the context]
         runtime.register_hooks()
         handle.reset_stats()
         if optimizer is not None and getattr(getattr(model, "config", None), "use_cache", None) is True:
@@ -399,7 +399,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                         raise unapplied
         finally:
             if handle is not None:
-                clipping.leave(handle)
+                loop_helpers.leave(handle)
                 handle.closed = True
                 for mod in model.modules():
                     if getattr(mod, _ATTR, None) is handle:

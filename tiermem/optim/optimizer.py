@@ -145,6 +145,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.backward_scaled: list[bool] = []
         self.scaling_next_backward = False  # set by tm.backward just before it calls backward
         self._warned_unscaled = False
+        # torch.amp.GradScaler's unscale_ of this step's gradients (see [Note: torch's loop helpers inside the
+        # context] in tiermem/optim/loop_helpers.py): the factor the step multiplies them by; and whether
+        # gradients are checked for inf/nan as they arrive (for the loss scale, tiermem's or GradScaler's)
+        self.unscaled_by = 1.0
+        self.check_finite = loss_scaling
         self.lazy = swapper.config.optimizer.update == "lazy"  # see [Note: lazy update]
         self.pending: dict[int, tuple[StepSettings, frozenset[str]]] = {}  # unit -> its recorded update
         self.on_record = on_record  # called when step() has recorded updates: start reading what comes first
@@ -380,7 +385,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         for fqn, grad in fresh.items():
             view = grads[fqn]
             check_host(f"the gradient accumulator of {fqn!r}", view)
-            if self.loss_scaling and not self.found_inf and not bool(torch.isfinite(grad).all()):
+            if self.check_finite and not self.found_inf and not bool(torch.isfinite(grad).all()):
                 self.found_inf = True
             with torch.no_grad():
                 if fqn in st.has_grad:
@@ -393,7 +398,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """The unit's gradients `names`, in fp32 on the device in one flat buffer laid out as the accumulators,
         in one copy to the host: straight into the accumulators when none holds an earlier micro-batch's
         gradient, else into a staging buffer from the host pool that is added on the host."""
-        if self.loss_scaling and not self.found_inf and not bool(torch.isfinite(flat.view(torch.float32)).all()):
+        if self.check_finite and not self.found_inf and not bool(torch.isfinite(flat.view(torch.float32)).all()):
             self.found_inf = True
         grads = self._hold_grads(st)
         if not any(f in st.has_grad for f in names):
@@ -541,6 +546,36 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._clip_scale = None
         self.found_inf = False
         self.backward_scaled.clear()
+        self.unscaled_by = 1.0
+
+    def unscale_from(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+        """torch.amp.GradScaler.unscale_ of this step's gradients: the step (and clipping's norm) will multiply
+        them by `inv_scale`; `found_inf` is set to 1 where one of them is inf or nan, and returned."""
+        if self.loss_scaling:
+            raise OptimizerError("torch.amp.GradScaler: params.dtype float16 scales the loss itself (tm.backward); "
+                                 "drop the GradScaler from the loop, or set params.dtype to bfloat16 or float32")
+        self.unscaled_by = float(inv_scale)
+        if not self.check_finite:  # the first time: this step's gradients arrived unchecked
+            self.check_finite = True
+            self.found_inf = self._any_nonfinite()
+        found = self.found_inf
+        ranks = self.units[0].unit.ranks if self.units else None
+        if ranks is not None and ranks.sharded:  # skipped on every rank, or on none
+            found = bool(ranks.all_reduce(torch.tensor([float(found)]), "max")[0])
+        found_inf.fill_(float(found))
+        return found_inf
+
+    def _any_nonfinite(self) -> bool:
+        for st in self.units:
+            if not st.has_grad:
+                continue
+            grads = self.swapper.acquire(st.grads, Tier.HOST)
+            try:
+                if not all(bool(torch.isfinite(grads[f]).all()) for f in st.has_grad):
+                    return True
+            finally:
+                self.swapper.release(st.grads)
+        return False
 
     def backward_began(self) -> None:
         """A backward reached the model (the runtime's hook): note whether tm.backward scaled its loss."""
@@ -583,7 +618,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 self.swapper.release(st.grads)
         # in the model's order, as torch stacks them: the total's rounding depends on it
         norms = [n for _, n in sorted(ranked, key=lambda rn: rn[0])]
-        scale = self.loss_scale_now()
+        scale = self.loss_scale_now() / self.unscaled_by  # what the gradients carry of a loss scale
         ranks = self.units[0].unit.ranks if self.units else None
         if ranks is not None and ranks.sharded:  # each rank has its chunks of every gradient: combine
             if norm_type == float("inf"):
@@ -613,6 +648,17 @@ class TieredOptimizer(torch.optim.Optimizer):
         scale = self.loss_scale_now()
         applied = self.loss_scaling and all(self.backward_scaled)  # tm.backward scaled this step's losses
         self.backward_scaled.clear()
+        # a fused optimizer under GradScaler is given its scale and inf flag as attributes, as torch's fused
+        # kernels take them (see [Note: torch's loop helpers inside the context])
+        given_scale = self.original.__dict__.get("grad_scale")
+        given_inf = self.original.__dict__.get("found_inf")
+        if given_inf is not None and float(given_inf) != 0.0:
+            self._clip_scale, self.unscaled_by = None, 1.0
+            return loss
+        if given_scale is not None:
+            scale *= float(given_scale)
+        scale /= self.unscaled_by
+        self.unscaled_by = 1.0
         if self.loss_scaling and self.found_inf:  # as GradScaler: skip the step, lower the scale
             if applied:
                 self.scale *= self.backoff_factor

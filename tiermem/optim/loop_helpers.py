@@ -1,18 +1,27 @@
-"""torch.nn.utils.clip_grad_norm_ and clip_grad_value_ on the parameters of a model under tiered_offload.
+"""torch's own training-loop helpers on a model under tiered_offload: clip_grad_norm_, clip_grad_value_ and
+torch.amp.GradScaler.
 
-# [Note: torch's clipping inside the context]
+# [Note: torch's loop helpers inside the context]
 A training loop written for PyTorch clips with `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`,
-and HF Trainer and accelerate call it so. Under tiered_offload the gradients live in their tiers, not in
-`.grad`, so torch's function finds none: it returns 0 and clips nothing, and the loop trains differently
-without a word. While a context with an optimizer is open, the function in `torch.nn.utils` (and in
-`torch.nn.utils.clip_grad`) is replaced by one that hands an offloaded model's parameters to
-`tm.clip_grad_norm_` (the same total, bit for bit, and the same clipping) and everything else to torch's.
-- Given only some of an offloaded model's trainable parameters, or those of two models, or those of one
-  beside gradients of others, it raises: the tiers clip one whole model at once.
+and HF Trainer and accelerate call it so; with float16 autocast it scales the loss with `torch.amp.GradScaler`.
+Under tiered_offload the gradients live in their tiers, not in `.grad`. So torch's clipping finds none: it
+returns 0 and clips nothing, and the loop trains differently without a word. And GradScaler finds no gradient
+to unscale or check, and its step() fails ("No inf checks were recorded"). While a context with an optimizer
+is open:
+- `clip_grad_norm_` in `torch.nn.utils` (and in `torch.nn.utils.clip_grad`) is replaced by one that hands an
+  offloaded model's parameters to `tm.clip_grad_norm_` (the same total, bit for bit, and the same clipping) and
+  everything else to torch's. Given only some of an offloaded model's trainable parameters, or those of two
+  models, or those of one beside gradients of others, it raises: the tiers clip one whole model at once.
 - `clip_grad_value_` of offloaded parameters raises. It is not supported; use `clip_grad_norm_`.
-- A module that took the function itself before the context began (`from torch.nn.utils import
+- `GradScaler._unscale_grads_`, which unscale_() and step() call, hands an offloaded model's optimizer to
+  `TieredOptimizer.unscale_from`: the step divides the gradients by the scale (as torch's unscale_ does, one
+  multiply by its inverse) and clipping takes their norm unscaled; inf/nan gradients are found in the tiers (a
+  pass over them the first time, then as they arrive) and reported to the scaler, whose step() then skips
+  optimizer.step() and whose update() lowers the scale. Fused optimizers get the scaler's `grad_scale` and
+  `found_inf` as torch's fused kernels do. Not with params.dtype float16, whose loss tiermem scales itself.
+- A module that took a function itself before the context began (`from torch.nn.utils import
   clip_grad_norm_`) keeps torch's. Call `tm.clip_grad_norm_` there.
-- The functions are put back when the last such context ends.
+- Everything is put back when the last such context ends.
 """
 
 from __future__ import annotations
@@ -21,13 +30,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import GradScaler
 from torch.nn.utils import clip_grad as _clip_module
 
 from tiermem.errors import OffloadError
 
 _TORCH: dict[str, Callable[..., Any]] = {"clip_grad_norm_": _clip_module.clip_grad_norm_,
-                                         "clip_grad_value_": _clip_module.clip_grad_value_}
+                                         "clip_grad_value_": _clip_module.clip_grad_value_,
+                                         "_unscale_grads_": GradScaler._unscale_grads_}
 _owner: dict[int, Any] = {}  # id(parameter) -> the OffloadHandle of the context training it
+_optimizers: dict[int, Any] = {}  # id(the optimizer passed in, or tm.optimizer) -> that OffloadHandle
 _handles: list[Any] = []  # the open contexts with an optimizer, in the order they began
 
 
@@ -81,14 +93,34 @@ def clip_grad_value_(parameters: Any, clip_value: float, foreach: bool | None = 
     _TORCH["clip_grad_value_"](given, clip_value, foreach)
 
 
+def _unscale_grads_(scaler: GradScaler, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                    allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    """GradScaler's unscale and inf check, for an offloaded model's optimizer in its tiers (see [Note: torch's
+    loop helpers inside the context])."""
+    tm = _optimizers.get(id(optimizer))
+    if tm is None:
+        return _TORCH["_unscale_grads_"](scaler, optimizer, inv_scale, found_inf, allow_fp16)
+    return {found_inf.device: tm.optimizer.unscale_from(inv_scale, found_inf)}
+
+
+_OURS: dict[str, Callable[..., Any]] = {"clip_grad_norm_": clip_grad_norm_, "clip_grad_value_": clip_grad_value_,
+                                        "_unscale_grads_": _unscale_grads_}
+
+
+def _install(functions: dict[str, Callable[..., Any]]) -> None:
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        setattr(torch.nn.utils, name, functions[name])
+        setattr(_clip_module, name, functions[name])
+    GradScaler._unscale_grads_ = functions["_unscale_grads_"]  # type: ignore[method-assign]
+
+
 def enter(tm: Any) -> None:
-    """A context training `tm.model` began: torch's clipping hands its parameters to it."""
+    """A context training `tm.model` began: torch's clipping and GradScaler hand its parameters to it."""
     for _, p, _ in (x for st in tm.optimizer.units for x in st.trainable):
         _owner[id(p)] = tm
+    _optimizers[id(tm.optimizer)] = _optimizers[id(tm.optimizer.original)] = tm
     _handles.append(tm)
-    for name, ours in (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_)):
-        setattr(torch.nn.utils, name, ours)
-        setattr(_clip_module, name, ours)
+    _install(_OURS)
 
 
 def leave(tm: Any) -> None:
@@ -96,9 +128,8 @@ def leave(tm: Any) -> None:
     if tm not in _handles:
         return
     _handles.remove(tm)
-    for key in [k for k, owner in _owner.items() if owner is tm]:
-        del _owner[key]
+    for table in (_owner, _optimizers):
+        for key in [k for k, owner in table.items() if owner is tm]:
+            del table[key]
     if not _handles:
-        for name, theirs in _TORCH.items():
-            setattr(torch.nn.utils, name, theirs)
-            setattr(_clip_module, name, theirs)
+        _install(_TORCH)

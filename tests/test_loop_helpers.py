@@ -1,5 +1,6 @@
-"""torch.nn.utils.clip_grad_norm_ in a loop left as PyTorch has it: inside tiered_offload it clips the
-gradients in their tiers (see [Note: torch's clipping inside the context] in tiermem/optim/clipping.py)."""
+"""torch.nn.utils.clip_grad_norm_ and torch.amp.GradScaler in a loop left as PyTorch has it: inside
+tiered_offload they act on the gradients in their tiers (see [Note: torch's loop helpers inside the context] in
+tiermem/optim/loop_helpers.py)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def test_clipping_what_the_tiers_cannot_is_an_error_and_torch_is_put_back(tmp_pa
     naming what to do; a model not offloaded is clipped by torch's own function; a non-finite total raises with
     error_if_nonfinite, as torch's does; on exit torch's functions are back."""
     torch_norm, torch_value = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_
+    unscale = torch.amp.GradScaler._unscale_grads_
     model, opt = model_and_optimizer()
     other = nn.Linear(3, 3)
     other(torch.ones(1, 3)).sum().backward()
@@ -87,3 +89,61 @@ def test_clipping_what_the_tiers_cannot_is_an_error_and_torch_is_put_back(tmp_pa
         opt.zero_grad()
     assert torch.nn.utils.clip_grad_norm_ is torch_norm and torch.nn.utils.clip_grad_value_ is torch_value
     assert torch.nn.utils.clip_grad.clip_grad_norm_ is torch_norm
+    assert torch.amp.GradScaler._unscale_grads_ is unscale
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_grad_scaler_loop_trains_as_in_memory(tmp_path, compute_device, fused: bool) -> None:
+    """torch.amp.GradScaler as its documentation writes the loop (scale(loss).backward(), unscale_, clip_grad_norm_,
+    step, update), 8 steps, the third overflowing: the scales, the skipped step, the norms, the losses and the
+    weights equal plain PyTorch's, bit for bit, with AdamW's foreach and fused kernels (the fused one takes the
+    scaler's grad_scale and found_inf). Before, GradScaler.step failed: "No inf checks were recorded"."""
+    data = [torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(8)]
+    results = []
+    for offloaded in (False, True):
+        model = models.gpt2().train()
+        model.config.use_cache = False
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+        seen: list[tuple[float, float, Any]] = []
+
+        def loop(model: nn.Module = model, opt: torch.optim.Optimizer = opt, scaler: Any = scaler,
+                 seen: list = seen) -> None:
+            for k, x in enumerate(data):
+                loss = model(x, labels=x).loss
+                scaler.scale(loss * (1e38 if k == 2 else 1.0)).backward()  # step 3: inf gradients
+                if not fused:  # the fused kernel unscales itself: no unscale_, no clipping
+                    scaler.unscale_(opt)
+                    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+                else:
+                    norm = 0.0
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                seen.append((loss.item(), scaler.get_scale(), "nan" if norm != norm else norm))
+
+        if offloaded:
+            with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+                loop()
+                assert tm.stats()["bytes_read"] > 0
+        else:
+            loop()
+        results.append((seen, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (want, want_w), (got, got_w) = results
+    assert got == want
+    assert [s for _, s, _ in want][:4] == [2.0**10, 2.0**10, 2.0**9, 2.0**9]  # the overflow halved the scale
+    assert [n for n in want_w if not torch.equal(want_w[n], got_w[n])] == []
+
+
+def test_a_grad_scaler_with_float16_parameters_is_an_error_naming_the_setting(tmp_path) -> None:
+    """params.dtype float16 scales the loss itself: a GradScaler on top is refused, naming both fixes."""
+    from tiermem.errors import OptimizerError
+
+    model, opt = model_and_optimizer()
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path), **{"params.dtype": "float16"}):
+        scaler.scale(model(x, labels=x).loss.float()).backward()
+        with pytest.raises(OptimizerError, match="params.dtype float16 scales the loss itself .* drop the GradScaler"):
+            scaler.unscale_(opt)
+        opt.zero_grad()
