@@ -89,22 +89,28 @@ def test_logits_and_generate_are_the_models_own(tmp_path, compute_device, name: 
             assert s["kv_peak_bytes"] > 0, name  # an encoder-decoder's decoder cache is tiered too
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["", "activation-checkpointing"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_training_with_groups_clipping_and_accumulation_is_bit_identical(tmp_path, name: str) -> None:
+def test_training_with_groups_clipping_and_accumulation_is_bit_identical(tmp_path, name: str,
+                                                                         checkpointed: bool) -> None:
     """Two optimizer steps of AdamW, two parameter groups (norms without weight decay, as fine-tuning recipes
-    split them), 2-step accumulation and clipping at 0.5: losses and weights equal plain PyTorch's. The norms'
-    sum is taken in model.parameters() order, as torch's clip_grad_norm_ takes it; the units hold their
-    parameters by group, which in Qwen3 and BART puts norms before projections that precede them."""
+    split them), 2-step accumulation and clipping at 0.5, and with the model's own activation checkpointing
+    on or off: losses and weights equal plain PyTorch's. The norms' sum is taken in model.parameters() order,
+    as torch's clip_grad_norm_ takes it; the units hold their parameters by group, which in Qwen3 and BART
+    puts norms before projections that precede them."""
     data = [torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(2 + k)) for k in range(4)]
     results = []
     for offloaded in (False, True):
         model = build(name, train=True)
+        if checkpointed:
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         named = list(model.named_parameters())
         opt = torch.optim.AdamW([{"params": [p for n, p in named if "norm" not in n]},
                                  {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}], lr=1e-3)
         losses = []
 
-        def loop(tm: Any = None) -> None:
+        def loop(tm: Any = None, model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt,
+                 losses: list[float] = losses) -> None:
             for k, x in enumerate(data):
                 loss = model(input_ids=x, labels=x).loss
                 losses.append(loss.item())

@@ -1,6 +1,6 @@
-"""torch.nn.utils.clip_grad_norm_ and torch.amp.GradScaler in a loop left as PyTorch has it: inside
-tiered_offload they act on the gradients in their tiers (see [Note: torch's loop helpers inside the context] in
-tiermem/optim/loop_helpers.py)."""
+"""A training loop left as PyTorch has it: torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler, model.zero_grad(),
+model.state_dict() and activation checkpointing inside tiered_offload act on the parameters and gradients in their
+tiers (see [Note: torch's loop helpers inside the context] in tiermem/optim/loop_helpers.py)."""
 
 from __future__ import annotations
 
@@ -147,3 +147,88 @@ def test_a_grad_scaler_with_float16_parameters_is_an_error_naming_the_setting(tm
         with pytest.raises(OptimizerError, match="params.dtype float16 scales the loss itself .* drop the GradScaler"):
             scaler.unscale_(opt)
         opt.zero_grad()
+
+
+def _train_side_by_side(tmp_path: Any, loop: Any, steps: int = 4, **extra: Any) -> list[Any]:
+    """`loop(model, opt, data)` on the model in memory and under tiered_offload; what each returned, then the
+    weights, for both."""
+    data = [torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(steps)]
+    out = []
+    for offloaded in (False, True):
+        model, opt = model_and_optimizer()
+        if offloaded:
+            with tiered_offload(model, optimizer=opt, **cfg(tmp_path), **extra) as tm:
+                got = loop(model, opt, data)
+                assert tm.stats()["bytes_read"] > 0
+        else:
+            got = loop(model, opt, data)
+        out.append((got, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return out
+
+
+def _same(results: list[Any]) -> None:
+    (want, want_w), (got, got_w) = results
+    assert got == want
+    assert [n for n in want_w if not torch.equal(want_w[n], got_w[n])] == []
+
+
+def test_model_zero_grad_clears_the_gradients_in_the_tiers(tmp_path, compute_device) -> None:
+    """model.zero_grad() (as HF code clears gradients) and a submodule's zero_grad() forget the gradients in the
+    tiers as they forget .grad in memory: the next backward starts afresh, or, for the submodule, only its
+    parameters do. Before, the tiers kept them and the next backward added to them."""
+    def loop(model: nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[float]:
+        losses = []
+        for k, x in enumerate(data):
+            loss = model(x, labels=x).loss
+            loss.backward()
+            losses.append(loss.item())
+            if k == 1:  # a second backward, half of it forgotten: only block 0's gradients are this one's alone
+                model(x, labels=x).loss.backward()
+                model.transformer.h[0].zero_grad()
+            opt.step()
+            model.zero_grad()
+        return losses
+
+    _same(_train_side_by_side(tmp_path, loop))
+
+
+def test_model_state_dict_inside_the_context_holds_the_trained_values(tmp_path, compute_device) -> None:
+    """model.state_dict() after some steps, and a submodule's, hold the values the model in memory has after the
+    same steps (pending updates applied), on the host; torch.save of it loads back the same. Before, each entry
+    was a placeholder of no elements."""
+    def loop(model: nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[Any]:
+        for x in data:
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        whole = model.state_dict()
+        torch.save(whole, tmp_path / "sd.pt")
+        block = model.transformer.h[1].state_dict()
+        return [sorted(whole), {k: v.clone() for k, v in whole.items()}, {k: v.clone() for k, v in block.items()},
+                {k: v.device.type for k, v in whole.items()}]
+
+    (want, _), (got, _) = _train_side_by_side(tmp_path, loop)
+    assert got[0] == want[0] and set(got[3].values()) == {"cpu"}
+    for i in (1, 2):
+        assert [k for k in want[i] if not torch.equal(want[i][k], got[i][k])] == [], i
+    saved = torch.load(tmp_path / "sd.pt")
+    assert all(torch.equal(saved[k], want[1][k]) for k in want[1])
+
+
+def test_activation_checkpointing_trains_as_in_memory(tmp_path, compute_device) -> None:
+    """model.activation_checkpointing_enable(): each block's forward is recomputed in backward, called past the
+    block's own hooks (only its submodules' run), and the block's parameters are there for it; the losses and
+    weights equal the model's in memory with the same checkpointing. Before, the recompute saw placeholders."""
+    def loop(model: nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[float]:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()  # transformers 5 renamed it
+        losses = []
+        for x in data:
+            loss = model(x, labels=x).loss
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    _same(_train_side_by_side(tmp_path, loop))

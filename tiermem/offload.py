@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -57,6 +58,7 @@ class OffloadHandle:
         self.runtime = runtime
         self.config: Config = swapper.config
         self.optimizer = optimizer  # the stand-in for the optimizer passed in (None when not training)
+        self._unit_of: dict[int, int] = {}  # id(parameter) -> the unit holding it
         self.closed = False  # the context has ended: the parameters are ordinary tensors again, the swap is gone
         self.saved: tuple[str, int] | None = None  # (path, optimizer progress) of the last checkpoint written
         self.plan: dict[str, Any] = {}  # what goes where and why, as entry chose it (logged at entry)
@@ -238,6 +240,27 @@ class OffloadHandle:
             raise OffloadError(f"{what}: params.storage is {self.config.params.storage}, so only rounded weights are "
                                "kept (see tiermem/quant.py); use params.storage: full to save or edit them")
 
+    def _state_dict_hook(self, module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+        """model.state_dict() inside the context (a post-hook on each module holding parameters): each of its
+        own parameters' entries, a placeholder of no elements while it lives in its tiers, becomes a copy in
+        host memory of its value, pending updates applied, read unit by unit. Without it torch.save of the
+        state_dict wrote empty tensors."""
+        if self.closed:
+            return
+        mine = [(prefix + name, p) for name, p in module._parameters.items()
+                if p is not None and id(p) in self._unit_of and prefix + name in state]
+        if not mine:
+            return
+        self._check_whole("model.state_dict()")
+        for i in dict.fromkeys(self._unit_of[id(p)] for _, p in mine):
+            self.runtime.hold([i])
+            try:
+                for key, p in mine:
+                    if self._unit_of[id(p)] == i:
+                        state[key] = p.detach().to("cpu", copy=True)
+            finally:
+                self.runtime.let_go([i])
+
     @contextmanager
     def gathered(self, *modules: nn.Module) -> Iterator[None]:
         """Make the parameters of `modules` (default: the whole model) real tensors for a block of code
@@ -335,6 +358,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             raise
     handle: OffloadHandle | None = None
     patched: dict[str, Any] = {}
+    state_hooks: list[Any] = []
+    zero_grads: dict[nn.Module, Any] | None = None
     allocator = ExitStack()
     try:
         # before the model is placed, so the compute's tensors from the first step on use it (tiermem/cpu_allocator.py)
@@ -344,6 +369,11 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         handle.activations_why, handle.weights_why = activations_why, weights_why
         for mod in model.modules():  # every submodule too: none of them may enter another context
             setattr(mod, _ATTR, handle)
+        handle._unit_of = {id(p): u.index for u in runtime.units for _, p in u.params}
+        owners = {id(m): m for m in model.modules() for p in m._parameters.values() if p is not None
+                  and id(p) in handle._unit_of}
+        state_hooks = [m.register_state_dict_post_hook(functools.partial(OffloadHandle._state_dict_hook, handle))
+                       for m in owners.values()]  # (a partial: torch marks the hook with an attribute)
         if optimizer is not None:
             override = dtype_of(swapper.config.params.dtype)
             handle.optimizer = TieredOptimizer(optimizer, runtime.units, swapper,
@@ -352,6 +382,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                                                on_record=runtime.prefetch_pending, model_order=model.parameters())
             runtime.optimizer = handle.optimizer
             patched = _delegate(optimizer, handle.optimizer)
+            zero_grads = _delegate_zero_grad(handle)
             loop_helpers.enter(handle)  # see [Note: torch's loop helpers inside the context]
         runtime.register_hooks()
         handle.reset_stats()
@@ -377,6 +408,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                     unapplied = _apply_recorded_updates(handle)
                     handle.runtime.remove_hooks()
                     _undelegate(optimizer, patched)
+                    if zero_grads is not None:
+                        _undelegate_zero_grad(model, zero_grads)
                     kept_state = None
                     if restore_optimizer and handle.optimizer is not None and optimizer is not None:
                         # read from its tiers now, loaded once the parameters are back: the original
@@ -400,6 +433,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         finally:
             if handle is not None:
                 loop_helpers.leave(handle)
+                for hook in state_hooks:
+                    hook.remove()
                 handle.closed = True
                 for mod in model.modules():
                     if getattr(mod, _ATTR, None) is handle:
@@ -647,6 +682,29 @@ def _undelegate(original: torch.optim.Optimizer | None, saved: dict[str, Any]) -
         original.__dict__.pop(name, None)
         if name in saved:
             setattr(original, name, saved[name])
+
+
+def _module_zero_grad(handle: OffloadHandle, module: nn.Module, set_to_none: bool = True) -> None:
+    """`module.zero_grad()` inside the context: the gradients in the tiers go too (model.zero_grad() is how HF
+    code clears them); before, they stayed and the next backward added to them."""
+    nn.Module.zero_grad(module, set_to_none)  # .grad of anything not in the tiers
+    if handle.optimizer is not None and not handle.closed:
+        handle.optimizer.zero_grad_of({id(p) for p in module.parameters()}, set_to_none)
+
+
+def _delegate_zero_grad(handle: OffloadHandle) -> dict[nn.Module, Any]:
+    """Make every module's zero_grad clear its gradients in the tiers; return what to put back."""
+    saved = {m: m.__dict__["zero_grad"] for m in handle.model.modules() if "zero_grad" in m.__dict__}
+    for m in handle.model.modules():
+        m.zero_grad = functools.partial(_module_zero_grad, handle, m)  # type: ignore[method-assign]
+    return saved
+
+
+def _undelegate_zero_grad(model: nn.Module, saved: dict[nn.Module, Any]) -> None:
+    for m in model.modules():
+        m.__dict__.pop("zero_grad", None)
+        if m in saved:
+            m.zero_grad = saved[m]  # type: ignore[method-assign]
 
 
 def _place_model(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.PathLike[str] | None,

@@ -22,6 +22,11 @@ is open:
 - A module that took a function itself before the context began (`from torch.nn.utils import
   clip_grad_norm_`) keeps torch's. Call `tm.clip_grad_norm_` there.
 - Everything is put back when the last such context ends.
+The rest of such a loop is served where the model is: `model.zero_grad()` (each module's, as HF code clears
+gradients) forgets the gradients in the tiers (`_module_zero_grad` in tiermem/offload.py); `model.state_dict()`
+holds each parameter's value read from its tiers (`OffloadHandle._state_dict_hook`); and activation
+checkpointing, which recomputes a block in backward by calling its forward() past the block's hooks, finds
+the block's parameters through its submodules' hooks (`Runtime.register_hooks`).
 """
 
 from __future__ import annotations

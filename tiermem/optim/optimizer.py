@@ -577,6 +577,16 @@ class TieredOptimizer(torch.optim.Optimizer):
                 self.swapper.release(st.grads)
         return False
 
+    def zero_grad_of(self, params: set[int], set_to_none: bool = True) -> None:
+        """`module.zero_grad()` inside the context: forget the gradients of the parameters `params` (ids), all of
+        them as `zero_grad` does when they are every trainable one, else only theirs."""
+        every = {id(p) for st in self.units for _, p, _ in st.trainable}
+        if every <= params:
+            self.zero_grad(set_to_none)
+            return
+        for st in self.units:
+            st.has_grad.difference_update(f for f, p, _ in st.trainable if id(p) in params)
+
     def backward_began(self) -> None:
         """A backward reached the model (the runtime's hook): note whether tm.backward scaled its loss."""
         self.backward_scaled.append(self.scaling_next_backward)

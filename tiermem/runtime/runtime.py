@@ -179,6 +179,13 @@ class Runtime:
         for module, indices in self.needs.items():
             self.handles.append(module.register_forward_pre_hook(self._make_pre(indices)))
             self.handles.append(module.register_forward_hook(self._make_post(indices), always_call=True))
+        # every other module holding a unit's parameters acquires that unit too: inside the unit's own forward
+        # that only counts a use (cheap), but activation checkpointing recomputes a block in backward by calling
+        # its forward() itself, past the block's hooks, and only its submodules' hooks see the recompute
+        for module, held in self._parameter_owners().items():
+            if module not in self.needs:
+                self.handles.append(module.register_forward_pre_hook(self._make_pre(held)))
+                self.handles.append(module.register_forward_hook(self._make_post(held), always_call=True))
         for u in self.units:
             for _, p in u.params:
                 if p.requires_grad:
@@ -195,6 +202,16 @@ class Runtime:
             self.handles.append(self.model.register_forward_pre_hook(self.kv.on_forward, with_kwargs=True))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
+
+    def _parameter_owners(self) -> dict[nn.Module, list[int]]:
+        """Each module holding managed parameters directly, and the units they are in."""
+        out: dict[nn.Module, list[int]] = {}
+        for module in self.model.modules():
+            held = sorted({self._param_unit[id(p)][0] for p in module._parameters.values()
+                           if p is not None and id(p) in self._param_unit})
+            if held:
+                out[module] = held
+        return out
 
     def remove_hooks(self) -> None:
         try:
