@@ -232,3 +232,32 @@ def test_activation_checkpointing_trains_as_in_memory(tmp_path, compute_device) 
         return losses
 
     _same(_train_side_by_side(tmp_path, loop))
+
+
+def test_model_load_state_dict_inside_the_context_loads_into_the_tiers(tmp_path, compute_device) -> None:
+    """model.load_state_dict() of another model's weights inside the context: the logits inside and after exit
+    are that model's. A wrong shape raises torch's error and leaves no unit held; with fp32 master weights
+    (params.dtype bfloat16 and an optimizer) it is refused, naming tm.load_checkpoint. Before, torch found
+    placeholders of no elements and raised a size mismatch for every parameter."""
+    model, other = models.gpt2(), models.gpt2()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.5)
+    x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = other(x).logits
+    settings = {k: v for k, v in cfg(tmp_path).items() if k != "optimizer.tier"}
+    with tiered_offload(model, **settings) as tm:
+        assert str(model.load_state_dict(other.state_dict())) == "<All keys matched successfully>"
+        with torch.no_grad():
+            assert torch.equal(model(x).logits, want)
+        bad = {**other.state_dict(), "transformer.h.0.attn.c_attn.weight": torch.zeros(3, 3)}
+        with pytest.raises(RuntimeError, match="size mismatch for transformer.h.0.attn.c_attn.weight"):
+            model.load_state_dict(bad)
+        assert [u.depth for u in tm.units] == [0] * len(tm.units)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, want)
+    model, opt = model_and_optimizer()
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path), **{"params.dtype": "bfloat16"}):
+        with pytest.raises(OffloadError, match=r"fp32 master weights .* tm\.load_checkpoint"):
+            model.load_state_dict(other.state_dict())

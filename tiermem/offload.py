@@ -59,6 +59,7 @@ class OffloadHandle:
         self.config: Config = swapper.config
         self.optimizer = optimizer  # the stand-in for the optimizer passed in (None when not training)
         self._unit_of: dict[int, int] = {}  # id(parameter) -> the unit holding it
+        self._loading: list[tuple[nn.Module, list[int]]] = []  # units held by a load_state_dict under way
         self.closed = False  # the context has ended: the parameters are ordinary tensors again, the swap is gone
         self.saved: tuple[str, int] | None = None  # (path, optimizer progress) of the last checkpoint written
         self.plan: dict[str, Any] = {}  # what goes where and why, as entry chose it (logged at entry)
@@ -261,6 +262,37 @@ class OffloadHandle:
             finally:
                 self.runtime.let_go([i])
 
+    def _load_state_dict_pre_hook(self, module: nn.Module, state: Mapping[str, Any], prefix: str,
+                                  *_rest: Any) -> None:
+        """model.load_state_dict() inside the context (a pre-hook on each module holding parameters): the units of
+        the module's own parameters it loads are held, so that torch copies into their values; its post-hook
+        writes them back (`_load_state_dict_post_hook`). Before, torch found placeholders of no elements."""
+        if self.closed:
+            return
+        held = sorted({self._unit_of[id(p)] for name, p in module._parameters.items()
+                       if p is not None and id(p) in self._unit_of and prefix + name in state})
+        if not held:
+            return
+        self._check_whole("model.load_state_dict()")
+        if self.optimizer is not None and self.optimizer.mixed:
+            raise OffloadError(f"model.load_state_dict(): params.dtype is {self.config.params.dtype}, so the optimizer "
+                               "keeps fp32 master weights that loading would leave as they were; load the weights "
+                               "before entering tiered_offload, or use tm.load_checkpoint(dir)")
+        self.runtime.hold(held)
+        self._loading.append((module, held))
+
+    def _load_state_dict_post_hook(self, module: nn.Module, _incompatible: Any) -> None:
+        for k, (m, held) in enumerate(self._loading):
+            if m is module:
+                del self._loading[k]
+                self.runtime.let_go(held, dirty=True)
+                return
+
+    def _release_loading(self) -> None:
+        """What a load_state_dict that raised midway still holds, written back."""
+        while self._loading:
+            self.runtime.let_go(self._loading.pop()[1], dirty=True)
+
     @contextmanager
     def gathered(self, *modules: nn.Module) -> Iterator[None]:
         """Make the parameters of `modules` (default: the whole model) real tensors for a block of code
@@ -359,6 +391,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     handle: OffloadHandle | None = None
     patched: dict[str, Any] = {}
     state_hooks: list[Any] = []
+    own_load: Any = None
     zero_grads: dict[nn.Module, Any] | None = None
     allocator = ExitStack()
     try:
@@ -372,8 +405,12 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         handle._unit_of = {id(p): u.index for u in runtime.units for _, p in u.params}
         owners = {id(m): m for m in model.modules() for p in m._parameters.values() if p is not None
                   and id(p) in handle._unit_of}
-        state_hooks = [m.register_state_dict_post_hook(functools.partial(OffloadHandle._state_dict_hook, handle))
-                       for m in owners.values()]  # (a partial: torch marks the hook with an attribute)
+        for m in owners.values():  # (partials: torch marks a state_dict hook with an attribute)
+            state_hooks += [m.register_state_dict_post_hook(functools.partial(OffloadHandle._state_dict_hook, handle)),
+                            m.register_load_state_dict_pre_hook(handle._load_state_dict_pre_hook),
+                            m.register_load_state_dict_post_hook(handle._load_state_dict_post_hook)]
+        own_load = model.__dict__.get("load_state_dict")
+        model.load_state_dict = functools.partial(_load_state_dict, handle)  # type: ignore[method-assign]
         if optimizer is not None:
             override = dtype_of(swapper.config.params.dtype)
             handle.optimizer = TieredOptimizer(optimizer, runtime.units, swapper,
@@ -435,6 +472,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                 loop_helpers.leave(handle)
                 for hook in state_hooks:
                     hook.remove()
+                model.__dict__.pop("load_state_dict", None)
+                if own_load is not None:
+                    model.load_state_dict = own_load  # type: ignore[method-assign]
                 handle.closed = True
                 for mod in model.modules():
                     if getattr(mod, _ATTR, None) is handle:
@@ -682,6 +722,15 @@ def _undelegate(original: torch.optim.Optimizer | None, saved: dict[str, Any]) -
         original.__dict__.pop(name, None)
         if name in saved:
             setattr(original, name, saved[name])
+
+
+def _load_state_dict(handle: OffloadHandle, *args: Any, **kwargs: Any) -> Any:
+    """model.load_state_dict() inside the context: the model class's own, with the units its hooks held written
+    back also when it raises midway (see `OffloadHandle._load_state_dict_pre_hook`)."""
+    try:
+        return type(handle.model).load_state_dict(handle.model, *args, **kwargs)
+    finally:
+        handle._release_loading()
 
 
 def _module_zero_grad(handle: OffloadHandle, module: nn.Module, set_to_none: bool = True) -> None:

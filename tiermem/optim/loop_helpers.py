@@ -24,7 +24,8 @@ is open:
 - Everything is put back when the last such context ends.
 The rest of such a loop is served where the model is: `model.zero_grad()` (each module's, as HF code clears
 gradients) forgets the gradients in the tiers (`_module_zero_grad` in tiermem/offload.py); `model.state_dict()`
-holds each parameter's value read from its tiers (`OffloadHandle._state_dict_hook`); and activation
+holds each parameter's value read from its tiers (`OffloadHandle._state_dict_hook`), and `load_state_dict()`
+copies into them (`OffloadHandle._load_state_dict_pre_hook`); and activation
 checkpointing, which recomputes a block in backward by calling its forward() past the block's hooks, finds
 the block's parameters through its submodules' hooks (`Runtime.register_hooks`).
 """
