@@ -21,10 +21,33 @@ def cfg(tmp_path: Any) -> dict[str, Any]:
             "memory.host_budget": "8MiB", "wrap.min_unit_bytes": 0}
 
 
-def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+def model_and_optimizer(fused: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = models.gpt2().train()
     model.config.use_cache = False
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+
+
+def _train_side_by_side(tmp_path: Any, loop: Any, steps: int = 4, fused: bool = False) -> list[Any]:
+    """`loop(model, opt, data)` on the model in memory and under tiered_offload; what each returned, then the
+    weights, for both."""
+    data = [torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(steps)]
+    out = []
+    for offloaded in (False, True):
+        model, opt = model_and_optimizer(fused)
+        if offloaded:
+            with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+                got = loop(model, opt, data)
+                assert tm.stats()["bytes_read"] > 0
+        else:
+            got = loop(model, opt, data)
+        out.append((got, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return out
+
+
+def _same(results: list[Any]) -> None:
+    (want, want_w), (got, got_w) = results
+    assert got == want
+    assert [n for n in want_w if not torch.equal(want_w[n], got_w[n])] == []
 
 
 @pytest.mark.parametrize("clip", [torch.nn.utils, torch.nn.utils.clip_grad], ids=["nn.utils", "nn.utils.clip_grad"])
@@ -32,64 +55,19 @@ def test_a_pytorch_loop_clipping_with_torch_trains_as_in_memory(tmp_path, comput
     """loss.backward(), clip_grad_norm_(model.parameters(), 0.05) (it clips at every step), step, zero_grad:
     the norms torch's function returns, the losses and the weights equal plain PyTorch's, bit for bit. Before,
     torch's function found no .grad under the context, returned 0 and clipped nothing."""
-    data = [torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(4)]
-    results = []
-    for offloaded in (False, True):
-        model, opt = model_and_optimizer()
-        seen: list[tuple[float, float]] = []
+    def loop(model: nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[tuple[float, float]]:
+        seen = []
+        for x in data:
+            loss = model(x, labels=x).loss
+            loss.backward()
+            seen.append((loss.item(), float(clip.clip_grad_norm_(model.parameters(), 0.05))))
+            opt.step()
+            opt.zero_grad()
+        return seen
 
-        def loop(model: nn.Module = model, opt: torch.optim.Optimizer = opt, seen: list = seen) -> None:
-            for x in data:
-                loss = model(x, labels=x).loss
-                loss.backward()
-                seen.append((loss.item(), float(clip.clip_grad_norm_(model.parameters(), 0.05))))
-                opt.step()
-                opt.zero_grad()
-
-        if offloaded:
-            with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
-                loop()
-                assert tm.stats()["bytes_read"] > 0
-        else:
-            loop()
-        results.append((seen, {n: p.detach().clone() for n, p in model.named_parameters()}))
-    (want, want_w), (got, got_w) = results
-    assert got == want and all(norm > 0.05 for _, norm in want)  # clipping was active every step
-    assert [n for n in want_w if not torch.equal(want_w[n], got_w[n])] == []
-
-
-def test_clipping_what_the_tiers_cannot_is_an_error_and_torch_is_put_back(tmp_path) -> None:
-    """Some of the model's parameters, or them beside another model's gradients, or clipping by value, raise
-    naming what to do; a model not offloaded is clipped by torch's own function; a non-finite total raises with
-    error_if_nonfinite, as torch's does; on exit torch's functions are back."""
-    torch_norm, torch_value = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_
-    unscale = torch.amp.GradScaler._unscale_grads_
-    model, opt = model_and_optimizer()
-    other = nn.Linear(3, 3)
-    other(torch.ones(1, 3)).sum().backward()
-    x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(0))
-    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
-        assert torch.nn.utils.clip_grad_norm_ is not torch_norm
-        model(x, labels=x).loss.backward()
-        params = list(model.parameters())
-        with pytest.raises(OffloadError, match=rf"given {len(params) - 1} of the {len(params)} trainable parameters "
-                                               r"of the GPT2LMHeadModel .* call tm\.clip_grad_norm_"):
-            torch.nn.utils.clip_grad_norm_(params[1:], 1.0)
-        with pytest.raises(OffloadError, match="and 2 parameters with gradients of no offloaded model"):
-            torch.nn.utils.clip_grad_norm_([*params, *other.parameters()], 1.0)
-        with pytest.raises(OffloadError, match="clip_grad_value_: .* clip by norm"):
-            torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
-        want = torch_norm(nn.Linear(3, 3).requires_grad_(False).parameters(), 1.0)  # no gradients: 0
-        assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)) > 1e-3 >= float(want)
-        assert float(torch_norm(other.parameters(), 1.0)) == pytest.approx(1e-3, rel=1e-3)  # torch's clipped them
-        opt.zero_grad()
-        (model(x, labels=x).loss * float("inf")).backward()
-        with pytest.raises(RuntimeError, match="non-finite"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
-        opt.zero_grad()
-    assert torch.nn.utils.clip_grad_norm_ is torch_norm and torch.nn.utils.clip_grad_value_ is torch_value
-    assert torch.nn.utils.clip_grad.clip_grad_norm_ is torch_norm
-    assert torch.amp.GradScaler._unscale_grads_ is unscale
+    results = _train_side_by_side(tmp_path, loop)
+    _same(results)
+    assert all(norm > 0.05 for _, norm in results[0][0])  # clipping was active every step
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
@@ -98,41 +76,25 @@ def test_a_grad_scaler_loop_trains_as_in_memory(tmp_path, compute_device, fused:
     step, update), 8 steps, the third overflowing: the scales, the skipped step, the norms, the losses and the
     weights equal plain PyTorch's, bit for bit, with AdamW's foreach and fused kernels (the fused one takes the
     scaler's grad_scale and found_inf). Before, GradScaler.step failed: "No inf checks were recorded"."""
-    data = [torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(8)]
-    results = []
-    for offloaded in (False, True):
-        model = models.gpt2().train()
-        model.config.use_cache = False
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    def loop(model: nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[tuple[float, float, Any]]:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
-        seen: list[tuple[float, float, Any]] = []
+        seen = []
+        for k, x in enumerate(data):
+            loss = model(x, labels=x).loss
+            scaler.scale(loss * (1e38 if k == 2 else 1.0)).backward()  # step 3: inf gradients
+            norm: Any = 0.0
+            if not fused:  # the fused kernel unscales itself: no unscale_, no clipping
+                scaler.unscale_(opt)
+                norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            seen.append((loss.item(), scaler.get_scale(), "nan" if norm != norm else norm))
+        return seen
 
-        def loop(model: nn.Module = model, opt: torch.optim.Optimizer = opt, scaler: Any = scaler,
-                 seen: list = seen) -> None:
-            for k, x in enumerate(data):
-                loss = model(x, labels=x).loss
-                scaler.scale(loss * (1e38 if k == 2 else 1.0)).backward()  # step 3: inf gradients
-                if not fused:  # the fused kernel unscales itself: no unscale_, no clipping
-                    scaler.unscale_(opt)
-                    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
-                else:
-                    norm = 0.0
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad()
-                seen.append((loss.item(), scaler.get_scale(), "nan" if norm != norm else norm))
-
-        if offloaded:
-            with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
-                loop()
-                assert tm.stats()["bytes_read"] > 0
-        else:
-            loop()
-        results.append((seen, {n: p.detach().clone() for n, p in model.named_parameters()}))
-    (want, want_w), (got, got_w) = results
-    assert got == want
-    assert [s for _, s, _ in want][:4] == [2.0**10, 2.0**10, 2.0**9, 2.0**9]  # the overflow halved the scale
-    assert [n for n in want_w if not torch.equal(want_w[n], got_w[n])] == []
+    results = _train_side_by_side(tmp_path, loop, steps=8, fused=fused)
+    _same(results)
+    assert [s for _, s, _ in results[0][0]][:4] == [2.0**10, 2.0**10, 2.0**9, 2.0**9]  # the overflow halved it
 
 
 def test_a_grad_scaler_with_float16_parameters_is_an_error_naming_the_setting(tmp_path) -> None:
@@ -147,29 +109,6 @@ def test_a_grad_scaler_with_float16_parameters_is_an_error_naming_the_setting(tm
         with pytest.raises(OptimizerError, match="params.dtype float16 scales the loss itself .* drop the GradScaler"):
             scaler.unscale_(opt)
         opt.zero_grad()
-
-
-def _train_side_by_side(tmp_path: Any, loop: Any, steps: int = 4, **extra: Any) -> list[Any]:
-    """`loop(model, opt, data)` on the model in memory and under tiered_offload; what each returned, then the
-    weights, for both."""
-    data = [torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(steps)]
-    out = []
-    for offloaded in (False, True):
-        model, opt = model_and_optimizer()
-        if offloaded:
-            with tiered_offload(model, optimizer=opt, **cfg(tmp_path), **extra) as tm:
-                got = loop(model, opt, data)
-                assert tm.stats()["bytes_read"] > 0
-        else:
-            got = loop(model, opt, data)
-        out.append((got, {n: p.detach().clone() for n, p in model.named_parameters()}))
-    return out
-
-
-def _same(results: list[Any]) -> None:
-    (want, want_w), (got, got_w) = results
-    assert got == want
-    assert [n for n in want_w if not torch.equal(want_w[n], got_w[n])] == []
 
 
 def test_model_zero_grad_clears_the_gradients_in_the_tiers(tmp_path, compute_device) -> None:

@@ -94,7 +94,13 @@ def test_a_meta_device_model_plans_as_the_real_one(tmp_path) -> None:
         meta_model = models.llama()
     meta = plan(meta_model, optimizer="adamw", **cfg(tmp_path))
     assert all(p.is_meta for p in meta_model.parameters())
-    assert meta.to_dict() == real.to_dict()
+
+    def planned(p: Any) -> dict[str, Any]:  # the disk's free bytes are the machine's, read at each plan
+        d = p.to_dict()
+        d["swap"] = [{k: v for k, v in s.items() if k != "free"} for s in d["swap"]]
+        return d
+
+    assert planned(meta) == planned(real) and real.swap and real.swap[0].free is not None
     numel = sum(p.numel() for p in meta_model.parameters())
     assert 8 * numel <= meta.kinds["optimizer_state"]["bytes"] < 8 * numel * 1.05  # AdamW's two fp32 moments
 
