@@ -70,6 +70,40 @@ def test_a_pytorch_loop_clipping_with_torch_trains_as_in_memory(tmp_path, comput
     assert all(norm > 0.05 for _, norm in results[0][0])  # clipping was active every step
 
 
+def test_clipping_what_the_tiers_cannot_is_an_error_and_torch_is_put_back(tmp_path) -> None:
+    """Some of the model's parameters, or them beside another model's gradients, or clipping by value, raise
+    naming what to do; a model not offloaded is clipped by torch's own function; a non-finite total raises with
+    error_if_nonfinite, as torch's does; on exit torch's functions are back."""
+    torch_norm, torch_value = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_
+    unscale = torch.amp.GradScaler._unscale_grads_
+    model, opt = model_and_optimizer()
+    other = nn.Linear(3, 3)
+    other(torch.ones(1, 3)).sum().backward()
+    x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
+        assert torch.nn.utils.clip_grad_norm_ is not torch_norm
+        model(x, labels=x).loss.backward()
+        params = list(model.parameters())
+        with pytest.raises(OffloadError, match=rf"given {len(params) - 1} of the {len(params)} trainable parameters "
+                                               r"of the GPT2LMHeadModel .* call tm\.clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(params[1:], 1.0)
+        with pytest.raises(OffloadError, match="and 2 parameters with gradients of no offloaded model"):
+            torch.nn.utils.clip_grad_norm_([*params, *other.parameters()], 1.0)
+        with pytest.raises(OffloadError, match="clip_grad_value_: .* clip by norm"):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+        want = torch_norm(nn.Linear(3, 3).requires_grad_(False).parameters(), 1.0)  # no gradients: 0
+        assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)) > 1e-3 >= float(want)
+        assert float(torch_norm(other.parameters(), 1.0)) == pytest.approx(1e-3, rel=1e-3)  # torch's clipped them
+        opt.zero_grad()
+        (model(x, labels=x).loss * float("inf")).backward()
+        with pytest.raises(RuntimeError, match="non-finite"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        opt.zero_grad()
+    assert torch.nn.utils.clip_grad_norm_ is torch_norm and torch.nn.utils.clip_grad_value_ is torch_value
+    assert torch.nn.utils.clip_grad.clip_grad_norm_ is torch_norm
+    assert torch.amp.GradScaler._unscale_grads_ is unscale
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_a_grad_scaler_loop_trains_as_in_memory(tmp_path, compute_device, fused: bool) -> None:
     """torch.amp.GradScaler as its documentation writes the loop (scale(loss).backward(), unscale_, clip_grad_norm_,
