@@ -50,17 +50,26 @@ def _same(results: list[Any]) -> None:
     assert [n for n in want_w if not torch.equal(want_w[n], got_w[n])] == []
 
 
-@pytest.mark.parametrize("clip", [torch.nn.utils, torch.nn.utils.clip_grad], ids=["nn.utils", "nn.utils.clip_grad"])
-def test_a_pytorch_loop_clipping_with_torch_trains_as_in_memory(tmp_path, compute_device, clip) -> None:
-    """loss.backward(), clip_grad_norm_(model.parameters(), 0.05) (it clips at every step), step, zero_grad:
-    the norms torch's function returns, the losses and the weights equal plain PyTorch's, bit for bit. Before,
-    torch's function found no .grad under the context, returned 0 and clipped nothing."""
+# taken by name when this module is imported, before any context: torch's own function, as a training script that
+# imports it at its top holds it
+from torch.nn.utils import clip_grad_norm_ as imported_early  # noqa: E402
+
+CLIPS = {"nn.utils": lambda: torch.nn.utils.clip_grad_norm_, "nn.utils.clip_grad": lambda: torch.nn.utils.clip_grad.
+         clip_grad_norm_, "imported-early": lambda: imported_early}
+
+
+@pytest.mark.parametrize("clip", list(CLIPS))
+def test_a_pytorch_loop_clipping_with_torch_trains_as_in_memory(tmp_path, compute_device, clip: str) -> None:
+    """loss.backward(), clip_grad_norm_(model.parameters(), 0.05) (it clips at every step), step, zero_grad,
+    with the function looked up in either module or imported by name before the context: the norms it returns,
+    the losses and the weights equal plain PyTorch's, bit for bit. Before, torch's function found no .grad under
+    the context, returned 0 and clipped nothing."""
     def loop(model: nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[tuple[float, float]]:
         seen = []
         for x in data:
             loss = model(x, labels=x).loss
             loss.backward()
-            seen.append((loss.item(), float(clip.clip_grad_norm_(model.parameters(), 0.05))))
+            seen.append((loss.item(), float(CLIPS[clip]()(model.parameters(), 0.05))))
             opt.step()
             opt.zero_grad()
         return seen
@@ -234,3 +243,6 @@ def test_model_load_state_dict_inside_the_context_loads_into_the_tiers(tmp_path,
     with tiered_offload(model, optimizer=opt, **cfg(tmp_path), **{"params.dtype": "bfloat16"}):
         with pytest.raises(OffloadError, match=r"fp32 master weights .* tm\.load_checkpoint"):
             model.load_state_dict(other.state_dict())
+    with tiered_offload(model, **settings):  # assign=True would swap the tiers' parameters for plain tensors
+        with pytest.raises(OffloadError, match=r"load_state_dict\(assign=True\) .* call it without assign"):
+            model.load_state_dict(other.state_dict(), assign=True)

@@ -426,7 +426,10 @@ def test_generation_device_bytes_are_the_largest_keys_and_values_an_update_makes
     pairs = [a + b for a, b in zip(made[::2], made[1::2], strict=True)]
     assert len(pairs) == g.layers * shape[2] and g.device_kv_bytes == max(pairs) > 0
     memory = plan(model, generate=shape, **{**settings, "kv.tier": "memory"}).generation
-    assert memory.device_kv_bytes == memory.kv_bytes == memory.token_bytes * (shape[1] + shape[2] - 1)
+    cfg_ = model.config  # the whole cache at its longest, from the config: batch x kv heads x (keys + values)
+    heads = getattr(cfg_, "num_key_value_heads", cfg_.num_attention_heads)
+    per_token = shape[0] * heads * 2 * (cfg_.hidden_size // cfg_.num_attention_heads) * 4 * cfg_.num_hidden_layers
+    assert memory.device_kv_bytes == memory.kv_bytes == per_token * (shape[1] + shape[2] - 1)
 
 
 def test_generation_fixes_name_values_that_work(tmp_path) -> None:
@@ -511,15 +514,21 @@ def test_generation_past_learned_positions_is_a_fix_at_the_first_length_that_fai
     assert not p.fits and [(f.key, f.value) for f in p.fixes] == [("generate", "1x60+5")]
     assert "use 65 positions" in p.fixes[0].problem and "max_position_embeddings" in p.fixes[0].problem
     assert [(f.key, f.value) for f in plan(model, generate=(1, 70, 3), **settings).fixes] == [("generate", "1x62+3")]
+    assert [(f.key, f.value) for f in plan(model, generate=(1, 70, 70), **settings).fixes] == [("generate", "1x1+64")]
     llama = plan(models.llama(), generate=(1, 60, 30), **settings)
     assert llama.fits and "past the model's max_position_embeddings (64)" in llama.generation.note
 
 
-def test_generation_refuses_an_optimizer_and_a_bad_shape(tmp_path) -> None:
-    """generate= plans inference, and takes three positive ints."""
+def test_generation_refuses_an_optimizer_a_bad_shape_and_an_encoder_decoder(tmp_path) -> None:
+    """generate= plans inference of decoder-only models, and takes three positive ints."""
     settings = kv_cfg(tmp_path, "nvme", "768KiB")
     model = models.gpt2()
     with pytest.raises(OffloadError, match="generate: plans inference"):
         plan(model, optimizer="adamw", generate=(4, 10, 12), **settings)
     with pytest.raises(OffloadError, match=r"generate: expected \(batch, prompt, new_tokens\)"):
         plan(model, generate=(4, 0, 3), **settings)
+    from tests.test_architectures import build
+
+    with pytest.raises(OffloadError, match="generate: planning generation covers decoder-only models, and "
+                                           "T5ForConditionalGeneration is an encoder-decoder"):
+        plan(build("t5"), generate=(1, 8, 4), **settings)

@@ -410,7 +410,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                             m.register_load_state_dict_pre_hook(handle._load_state_dict_pre_hook),
                             m.register_load_state_dict_post_hook(handle._load_state_dict_post_hook)]
         own_load = model.__dict__.get("load_state_dict")
-        model.load_state_dict = functools.partial(_load_state_dict, handle)  # type: ignore[method-assign]
+        model.load_state_dict = functools.partial(_load_state_dict, handle, own_load)  # type: ignore[method-assign]
         if optimizer is not None:
             override = dtype_of(swapper.config.params.dtype)
             handle.optimizer = TieredOptimizer(optimizer, runtime.units, swapper,
@@ -445,8 +445,6 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                     unapplied = _apply_recorded_updates(handle)
                     handle.runtime.remove_hooks()
                     _undelegate(optimizer, patched)
-                    if zero_grads is not None:
-                        _undelegate_zero_grad(model, zero_grads)
                     kept_state = None
                     if restore_optimizer and handle.optimizer is not None and optimizer is not None:
                         # read from its tiers now, loaded once the parameters are back: the original
@@ -470,6 +468,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         finally:
             if handle is not None:
                 loop_helpers.leave(handle)
+                if zero_grads is not None:
+                    _undelegate_zero_grad(model, zero_grads)
                 for hook in state_hooks:
                     hook.remove()
                 model.__dict__.pop("load_state_dict", None)
@@ -724,11 +724,20 @@ def _undelegate(original: torch.optim.Optimizer | None, saved: dict[str, Any]) -
             setattr(original, name, saved[name])
 
 
-def _load_state_dict(handle: OffloadHandle, *args: Any, **kwargs: Any) -> Any:
-    """model.load_state_dict() inside the context: the model class's own, with the units its hooks held written
-    back also when it raises midway (see `OffloadHandle._load_state_dict_pre_hook`)."""
+def _load_state_dict(handle: OffloadHandle, own: Any, state_dict: Mapping[str, Any], strict: bool = True,
+                     assign: bool = False) -> Any:
+    """model.load_state_dict() inside the context: the model's own (`own`, one set on it before entry, else its
+    class's), with the units its hooks held written back also when it raises midway (see
+    `OffloadHandle._load_state_dict_pre_hook`). assign=True would put plain tensors in place of the parameters
+    the tiers hold, which the optimizer would go on updating unseen: refused."""
+    if assign:
+        raise OffloadError("model.load_state_dict(assign=True) inside tiered_offload would replace the parameters "
+                           "whose values live in the tiers; call it without assign (the values are copied into "
+                           "the tiers), or load before entering")
     try:
-        return type(handle.model).load_state_dict(handle.model, *args, **kwargs)
+        if own is not None:
+            return own(state_dict, strict=strict)
+        return type(handle.model).load_state_dict(handle.model, state_dict, strict=strict)
     finally:
         handle._release_loading()
 
@@ -736,7 +745,7 @@ def _load_state_dict(handle: OffloadHandle, *args: Any, **kwargs: Any) -> Any:
 def _module_zero_grad(handle: OffloadHandle, module: nn.Module, set_to_none: bool = True) -> None:
     """`module.zero_grad()` inside the context: the gradients in the tiers go too (model.zero_grad() is how HF
     code clears them); before, they stayed and the next backward added to them."""
-    nn.Module.zero_grad(module, set_to_none)  # .grad of anything not in the tiers
+    type(module).zero_grad(module, set_to_none)  # its class's own: .grad of anything not in the tiers
     if handle.optimizer is not None and not handle.closed:
         handle.optimizer.zero_grad_of({id(p) for p in module.parameters()}, set_to_none)
 

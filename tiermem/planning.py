@@ -927,6 +927,10 @@ def _cache_layers(model: nn.Module, wrap: WrapPlan, shape: tuple[int, int, int],
     except ImportError as exc:
         raise OffloadError(f"generate: planning generation needs transformers 5 (its cache layers): {exc}") from None
     batch, prompt, _ = shape
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise OffloadError(f"generate: planning generation covers decoder-only models, and {type(model).__name__} is "
+                           "an encoder-decoder; plan it without generate= (kv.tier still tiers its decoder's cache "
+                           "when it runs)")
     in_use: list[int] = []  # the units in use, in the order acquired (as the runtime's hooks acquire them)
     mine: list[list[int]] = []
     first: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # layer -> (unit computing it, units in use)
@@ -1138,6 +1142,9 @@ def _positions_fix(shape: tuple[int, int, int], positions: int) -> Fix:
                    f"(generate=({batch}, {prompt}, {most}), --generate {batch}x{prompt}+{most}), or shorten the "
                    "prompt", problem)
     shorter = positions - new + 1
+    if shorter < 1:  # more new tokens than positions: the most a one-token prompt takes
+        return Fix("generate", f"{batch}x1+{positions}", f"generate at most {positions} new tokens, after a prompt "
+                   f"of one token (--generate {batch}x1+{positions})", problem)
     return Fix("generate", f"{batch}x{shorter}+{new}", f"shorten the prompt to {shorter} tokens or less for {new} new "
                f"tokens (--generate {batch}x{shorter}+{new})", problem)
 

@@ -19,9 +19,13 @@ is open:
   pass over them the first time, then as they arrive) and reported to the scaler, whose step() then skips
   optimizer.step() and whose update() lowers the scale. Fused optimizers get the scaler's `grad_scale` and
   `found_inf` as torch's fused kernels do. Not with params.dtype float16, whose loss tiermem scales itself.
-- A module that took a function itself before the context began (`from torch.nn.utils import
-  clip_grad_norm_`) keeps torch's. Call `tm.clip_grad_norm_` there.
+- A module that took `clip_grad_norm_` itself before the context began (`from torch.nn.utils import
+  clip_grad_norm_`) holds torch's, which looks up `_get_total_norm` and `_clip_grads_with_norm_` in its module
+  when called: those are replaced too, and the second, given an offloaded model's parameters, clips in the
+  tiers and writes their total into the one torch returns.
 - Everything is put back when the last such context ends.
+- Under several ranks each unit is gathered from every rank, so `model.state_dict()` (below) is called on
+  every rank, as `tm.save_checkpoint` is.
 The rest of such a loop is served where the model is: `model.zero_grad()` (each module's, as HF code clears
 gradients) forgets the gradients in the tiers (`_module_zero_grad` in tiermem/offload.py); `model.state_dict()`
 holds each parameter's value read from its tiers (`OffloadHandle._state_dict_hook`), and `load_state_dict()`
@@ -43,7 +47,10 @@ from tiermem.errors import OffloadError
 
 _TORCH: dict[str, Callable[..., Any]] = {"clip_grad_norm_": _clip_module.clip_grad_norm_,
                                          "clip_grad_value_": _clip_module.clip_grad_value_,
+                                         "_get_total_norm": _clip_module._get_total_norm,
+                                         "_clip_grads_with_norm_": _clip_module._clip_grads_with_norm_,
                                          "_unscale_grads_": GradScaler._unscale_grads_}
+_norm_type = [2.0]  # the norm type torch's clip_grad_norm_ asked `_get_total_norm` for last (see `_clip_grads`)
 _owner: dict[int, Any] = {}  # id(parameter) -> the OffloadHandle of the context training it
 _optimizers: dict[int, Any] = {}  # id(the optimizer passed in, or tm.optimizer) -> that OffloadHandle
 _handles: list[Any] = []  # the open contexts with an optimizer, in the order they began
@@ -67,10 +74,34 @@ def _split(parameters: Any) -> tuple[list[Any], Any]:
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_, with an offloaded model's gradients clipped in their tiers (see [Note:
-    torch's clipping inside the context])."""
+    torch's loop helpers inside the context])."""
     given, tm = _split(parameters)
     if tm is None:
         return _TORCH["clip_grad_norm_"](given, max_norm, norm_type, error_if_nonfinite, foreach)
+    return _clip_in_tiers(tm, given, max_norm, norm_type, error_if_nonfinite)
+
+
+def _get_total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """torch's, noting the norm type for `_clip_grads` (torch's clip_grad_norm_ calls the two in turn)."""
+    _norm_type[0] = float(norm_type)
+    return _TORCH["_get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_grads(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:
+    """torch's `_clip_grads_with_norm_`, which its clip_grad_norm_ looks up when called: the path of a
+    clip_grad_norm_ imported by name before the context began. For an offloaded model the total it was given
+    is of no gradients (they are in the tiers): the tiers clip, and that total becomes theirs in place, so the
+    caller returns it."""
+    given, tm = _split(parameters)
+    if tm is None:
+        return _TORCH["_clip_grads_with_norm_"](given, max_norm, total_norm, foreach)
+    total_norm.copy_(_clip_in_tiers(tm, given, max_norm, _norm_type[0], False))
+
+
+def _clip_in_tiers(tm: Any, given: list[Any], max_norm: float, norm_type: float,
+                   error_if_nonfinite: bool) -> torch.Tensor:
+    """tm.clip_grad_norm_ for parameters given to torch's clipping: all of the model's trainable ones, or an error."""
     trainable = _trainable(tm)
     mine = {id(p) for p in given if id(p) in trainable}
     others = [p for p in given if id(p) not in _owner and p.grad is not None]
@@ -110,12 +141,15 @@ def _unscale_grads_(scaler: GradScaler, optimizer: Any, inv_scale: torch.Tensor,
 
 
 _OURS: dict[str, Callable[..., Any]] = {"clip_grad_norm_": clip_grad_norm_, "clip_grad_value_": clip_grad_value_,
+                                        "_get_total_norm": _get_total_norm, "_clip_grads_with_norm_": _clip_grads,
                                         "_unscale_grads_": _unscale_grads_}
 
 
 def _install(functions: dict[str, Callable[..., Any]]) -> None:
     for name in ("clip_grad_norm_", "clip_grad_value_"):
         setattr(torch.nn.utils, name, functions[name])
+        setattr(_clip_module, name, functions[name])
+    for name in ("_get_total_norm", "_clip_grads_with_norm_"):
         setattr(_clip_module, name, functions[name])
     GradScaler._unscale_grads_ = functions["_unscale_grads_"]  # type: ignore[method-assign]
 

@@ -74,7 +74,7 @@ class Runtime:
         self.resident_bytes = 0  # bytes of the units the plan keeps in host memory
         self.handles: list[RemovableHandle] = []  # every hook we registered, removed on exit
         self._pass_depth = 0  # nesting of the model's own forward; a pass ends when it returns to 0
-        self._pass_began: float | None = None  # the tracer's time when this pass began (None: not traced)
+        self._pass_began: tuple[Tracer, float] | None = None  # the tracer and its time when this pass began
         self._on_device: set[int] = set()  # units whose partition is on the device (in use or kept)
         self.stall_seconds = 0.0  # time forward waited for a unit's bytes
         self.prefetch_hits = 0  # acquisitions whose bytes were on the device or on their way
@@ -371,7 +371,7 @@ class Runtime:
         if self._pass_depth == 0:
             if self.activations is not None:
                 self.activations.begin_pass()
-            self._pass_began = self.tracer.now() if self.tracer is not None else None
+            self._pass_began = (self.tracer, self.tracer.now()) if self.tracer is not None else None
         self._pass_depth += 1
 
     def _pass_end(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -392,9 +392,9 @@ class Runtime:
         # after a backward the optimizer's step comes next and changes these units: a device copy made now
         # would be stale before the next forward, so the window is read to the host only
         self._prefetch(window, Tier.HOST if trained and self.optimizer is not None else Tier.DEVICE)
-        if self.tracer is not None and self._pass_began is not None:  # begun and ended while recording; its
-            # span takes in the reads it issued last, for the next pass (see [Note: passes in a report])
-            self.tracer.span("pass", f"pass {self.passes}", self._pass_began, backward=trained)
+        if self._pass_began is not None and self._pass_began[0] is self.tracer:  # begun and ended under this
+            # tracer; its span takes in the reads it issued last, for the next pass ([Note: passes in a report])
+            self.tracer.span("pass", f"pass {self.passes}", self._pass_began[1], backward=trained)
         self._pass_began = None
 
     def _plan_resident(self) -> None:
