@@ -332,6 +332,7 @@ def _bandwidth(by_track: dict[str, list[dict[str, Any]]], other: dict[str, Any],
 def _passes(by_track: dict[str, list[dict[str, Any]]], bandwidth: dict[str, Any]) -> dict[str, Any] | None:
     """Each traced pass's figures, the first apart and the median of the rest (see [Note: passes in a report]);
     None when the trace has no pass spans (a block that saw no pass begin and end, or a trace before them)."""
+    import bisect
     import statistics
 
     spans = sorted(by_track["pass"], key=lambda e: e["ts"])
@@ -339,16 +340,19 @@ def _passes(by_track: dict[str, list[dict[str, Any]]], bandwidth: dict[str, Any]
         return None
     io = {op: sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("bytes", 0)) for t in _io_tracks(by_track, op)
                      for e in by_track[t]) for op in _OPS}
+    starts = {op: [a for a, _, _ in io[op]] for op in _OPS}  # for each pass, its transfers by bisection
     busy_all = _union([(a, b) for op in _OPS for a, b, _ in io[op]])
+    busy_starts, busy_ends = [a for a, _ in busy_all], [b for _, b in busy_all]
     rates = {op: bandwidth[op].get("bench_gbps") for op in _OPS}
     rows = []
     for e in spans:
         p0, p1 = e["ts"], e["ts"] + e["dur"]
+        near = busy_all[bisect.bisect_right(busy_ends, p0):bisect.bisect_left(busy_starts, p1)]  # those overlapping
         row: dict[str, Any] = {"seconds": e["dur"] / 1e6, "backward": bool(e.get("args", {}).get("backward")),
-                               "io_busy_share": _overlap(busy_all, [(p0, p1)]) / e["dur"] if e["dur"] else 0.0}
+                               "io_busy_share": _overlap(near, [(p0, p1)]) / e["dur"] if e["dur"] else 0.0}
         floor: float | None = 0.0
         for op in _OPS:
-            began = [(a, b, n) for a, b, n in io[op] if p0 <= a < p1]
+            began = io[op][bisect.bisect_left(starts[op], p0):bisect.bisect_left(starts[op], p1)]
             nbytes = sum(n for _, _, n in began)
             seconds = _length(_union([(a, b) for a, b, _ in began])) / 1e6
             row[f"{op}_bytes"] = nbytes
