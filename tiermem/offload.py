@@ -344,7 +344,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         restore_optimizer: on exit, also copy the optimizer state into `optimizer` (in host memory, so
             training can go on outside). Off by default: that state is often larger than RAM, and leaving
             must never need more memory than the parameters. To keep it, call ``tm.save_checkpoint(dir)``
-            inside the context, or ``optimizer.load_state_dict(tm.optimizer.state_dict())``.
+            inside the context, or save ``optimizer.state_dict()`` there (inside, the original's
+            state_dict() and load_state_dict() are the tiers') and load it after.
         **overrides: dotted config keys, e.g. ``**{"prefetch.depth": 4}`` or ``prefetch__depth=4``.
 
     Yields:
@@ -707,18 +708,40 @@ def _plan_text(plan: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+_DELEGATED = ("step", "zero_grad", "state_dict", "load_state_dict")
+
+
 def _delegate(original: torch.optim.Optimizer, tiered: TieredOptimizer) -> dict[str, Any]:
-    """Make the original optimizer's step/zero_grad do what tm.optimizer's do; return what to put back."""
-    saved: dict[str, Any] = {n: original.__dict__[n] for n in ("step", "zero_grad") if n in original.__dict__}
-    original.step = tiered.step  # type: ignore[method-assign]
+    """Make the original optimizer's step/zero_grad do what tm.optimizer's do; return what to put back.
+
+    A learning-rate scheduler wraps `optimizer.step` when it is made, to note each call (`_opt_called`), and a
+    step marked `_wrapped_by_lr_sched` it leaves as it is. The step put in place does the noting itself and
+    carries the mark: a scheduler made before the context then does not warn that step() was replaced, and one
+    made inside it (as HF Trainer makes its own in train()) does not wrap the tiers' step, which it would call
+    as a method of the original optimizer.
+
+    state_dict()/load_state_dict() are the tiers' as well: the state lives there, so the original's would save
+    none (HF Trainer saves `optimizer.state_dict()` in its checkpoints) and load into a state no step reads;
+    and torch's load_state_dict would replace the param-group dicts the tiers share (accelerate's prepare()
+    round-trips the optimizer through it)."""
+    saved: dict[str, Any] = {n: original.__dict__[n] for n in _DELEGATED if n in original.__dict__}
+
+    def step(closure: Any = None) -> Any:
+        original._opt_called = True  # type: ignore[attr-defined]  # what a scheduler's own wrapper notes
+        return tiered.step(closure)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    original.step = step  # type: ignore[method-assign]
     original.zero_grad = tiered.zero_grad  # type: ignore[method-assign]
+    original.state_dict = tiered.state_dict  # type: ignore[method-assign]
+    original.load_state_dict = tiered.load_state_dict  # type: ignore[method-assign]
     return saved
 
 
 def _undelegate(original: torch.optim.Optimizer | None, saved: dict[str, Any]) -> None:
     if original is None:
         return
-    for name in ("step", "zero_grad"):
+    for name in _DELEGATED:
         original.__dict__.pop(name, None)
         if name in saved:
             setattr(original, name, saved[name])

@@ -23,10 +23,16 @@ is open:
   clip_grad_norm_`) holds torch's, which looks up `_get_total_norm` and `_clip_grads_with_norm_` in its module
   when called: those are replaced too, and the second, given an offloaded model's parameters, clips in the
   tiers and writes their total into the one torch returns.
+- accelerate's `Accelerator.clip_grad_norm_`, which HF Trainer clips with, takes the norm itself over the
+  parameters whose `.grad` is set (none, here) and so returned 0 without clipping: it is replaced alike,
+  unscaling first as accelerate does. accelerate is not imported for this: if it is not yet when the context
+  begins, the replacement is made when it is (transformers imports it with its models or its Trainer).
 - Everything is put back when the last such context ends.
 - Under several ranks each unit is gathered from every rank, so `model.state_dict()` (below) is called on
   every rank, as `tm.save_checkpoint` is.
-The rest of such a loop is served where the model is: `model.zero_grad()` (each module's, as HF code clears
+The rest of such a loop is served where the model is or by the optimizer passed in: its step(), zero_grad(),
+state_dict() and load_state_dict() are the tiers' (`_delegate` in tiermem/offload.py, also for a learning-rate
+scheduler made inside the context, as HF Trainer makes one); `model.zero_grad()` (each module's, as HF code clears
 gradients) forgets the gradients in the tiers (`_module_zero_grad` in tiermem/offload.py); `model.state_dict()`
 holds each parameter's value read from its tiers (`OffloadHandle._state_dict_hook`), and `load_state_dict()`
 copies into them (`OffloadHandle._load_state_dict_pre_hook`); and activation
@@ -36,6 +42,8 @@ the block's parameters through its submodules' hooks (`Runtime.register_hooks`).
 
 from __future__ import annotations
 
+import importlib.abc
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -140,6 +148,61 @@ def _unscale_grads_(scaler: GradScaler, optimizer: Any, inv_scale: torch.Tensor,
     return {found_inf.device: tm.optimizer.unscale_from(inv_scale, found_inf)}
 
 
+def _accelerate_clip_grad_norm_(accelerator: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+    """accelerate's `Accelerator.clip_grad_norm_` (HF Trainer's clipping), with an offloaded model's gradients
+    clipped in their tiers after the accelerator's own unscale (see [Note: torch's loop helpers inside the
+    context])."""
+    given, tm = _split(parameters)
+    if tm is None:
+        return _ACCELERATE["clip_grad_norm_"](accelerator, given, max_norm, norm_type)
+    accelerator.unscale_gradients()
+    return _clip_in_tiers(tm, given, max_norm, norm_type, False)
+
+
+_ACCELERATOR = "accelerate.accelerator"
+_ACCELERATE: dict[str, Callable[..., Any]] = {}  # accelerate's own, once its module was imported in a context
+
+
+def _install_accelerate(module: Any, ours: bool) -> None:
+    cls = module.Accelerator
+    if ours:
+        _ACCELERATE.setdefault("clip_grad_norm_", cls.clip_grad_norm_)
+        cls.clip_grad_norm_ = _accelerate_clip_grad_norm_
+    elif "clip_grad_norm_" in _ACCELERATE:
+        cls.clip_grad_norm_ = _ACCELERATE.pop("clip_grad_norm_")
+
+
+class _AccelerateOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports accelerate's Accelerator module as the other finders would, then puts our clipping in it: for a
+    loop that first imports it inside a context (transformers imports its Trainer, and with it accelerate,
+    only when first used)."""
+
+    def __init__(self) -> None:
+        self.inner: Any = None
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _ACCELERATOR or self.inner is not None:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None and spec.loader is not None:
+                self.inner, spec.loader = spec.loader, self
+                return spec
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        inner, self.inner = self.inner, None
+        inner.exec_module(module)
+        if _handles:
+            _install_accelerate(module, True)
+
+
+_on_import = _AccelerateOnImport()
+
+
 _OURS: dict[str, Callable[..., Any]] = {"clip_grad_norm_": clip_grad_norm_, "clip_grad_value_": clip_grad_value_,
                                         "_get_total_norm": _get_total_norm, "_clip_grads_with_norm_": _clip_grads,
                                         "_unscale_grads_": _unscale_grads_}
@@ -152,6 +215,13 @@ def _install(functions: dict[str, Callable[..., Any]]) -> None:
     for name in ("_get_total_norm", "_clip_grads_with_norm_"):
         setattr(_clip_module, name, functions[name])
     GradScaler._unscale_grads_ = functions["_unscale_grads_"]  # type: ignore[method-assign]
+    ours = functions is _OURS
+    if _ACCELERATOR in sys.modules:
+        _install_accelerate(sys.modules[_ACCELERATOR], ours)
+    if _on_import in sys.meta_path:
+        sys.meta_path.remove(_on_import)
+    if ours and _ACCELERATOR not in sys.modules:
+        sys.meta_path.insert(0, _on_import)
 
 
 def enter(tm: Any) -> None:

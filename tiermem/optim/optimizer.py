@@ -124,11 +124,10 @@ class TieredOptimizer(torch.optim.Optimizer):
             raise OptimizerError(f"optimizer: {type(original).__module__}.{type(original).__name__} is not supported "
                                  f"under tiered_offload; use one of {names}")
         super().__init__([{**g, "params": list(g["params"])} for g in original.param_groups], original.defaults)
-        self.param_groups = original.param_groups  # shared dicts: lr changes and schedulers act on both
+        self.original = original  # whose param_groups are ours from now on (see `param_groups`)
         # each parameter's place in model.parameters(), the order torch's clip_grad_norm_ stacks the norms in (a
         # unit's partitions hold the parameters by param group: see offload's [Note: training state per unit])
         self.model_rank = {id(p): i for i, p in enumerate(model_order)}
-        self.original = original
         self.kind = type(original)
         self.swapper = swapper
         self.mixed = mixed  # parameters are bf16/fp16: keep fp32 master weights in the state partition
@@ -828,6 +827,21 @@ class TieredOptimizer(torch.optim.Optimizer):
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False))
         return int(step_t.item())
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The original optimizer's, looked up at each use: lr changes and schedulers act on both, also after
+        something gave the original new group dicts (torch's load_state_dict does)."""
+        if "original" in self.__dict__:
+            return self.original.param_groups
+        return self.__dict__["_groups"]  # torch's __init__ builds them before `original` is set
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        if "original" in self.__dict__:
+            self.original.param_groups = groups
+        else:
+            self.__dict__["_groups"] = groups
+
     # -- torch's state_dict format ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The state in torch.optim's format (parameters numbered as in the original optimizer)."""
@@ -870,6 +884,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
         kinds = [k for k in self.state_kinds() if k != "master"]
         for st in self.units:
+            if not st.steps and not any(self.index_of[id(p)] in saved_state for _, p, _ in st.trainable):
+                continue  # nothing held, nothing to load: its state is not read (and written) for nothing
             views = self.swapper.acquire(st.state, Tier.HOST) if st.state is not None else {}
             try:
                 for fqn, p, _ in st.trainable:

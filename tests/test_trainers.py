@@ -1,0 +1,278 @@
+"""HF Trainer and accelerate's loop, run as their users run them, with the model under tiered_offload: the same
+losses, gradient norms, weights and checkpoints as without it (see [Note: torch's loop helpers inside the
+context] in tiermem/optim/loop_helpers.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests import models
+from tiermem import tiered_offload
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+
+class Tokens(Dataset):
+    """Eight sequences of 8 token ids, each its own label (causal LM)."""
+
+    def __init__(self, n: int = 8) -> None:
+        self.ids = [torch.randint(0, 500, (8,), generator=torch.Generator().manual_seed(k)) for k in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def cfg(tmp_path: Path) -> dict[str, Any]:
+    return {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme", "nvme.paths": [str(tmp_path / "swap")],
+            "memory.host_budget": "8MiB", "wrap.min_unit_bytes": 0}
+
+
+def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = models.gpt2().train()  # dropout on: the offloaded model draws the same random numbers
+    model.config.use_cache = False
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n in a if not torch.equal(a[n], b[n])]
+
+
+def trainer_args(out: Path, **kw: Any) -> Any:
+    from transformers import TrainingArguments
+
+    args = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_grad_norm": 0.05,
+            "max_steps": 4, "logging_steps": 1, "report_to": [], "use_cpu": True, "save_strategy": "no",
+            "dataloader_num_workers": 0, "seed": 0, "disable_tqdm": True, **kw}
+    return TrainingArguments(output_dir=str(out), **args)
+
+
+def run_trainer(tmp_path: Path, offloaded: bool, scheduler: str, **kw: Any) -> tuple[list[Any], dict[str, Any], Any]:
+    """Trainer.train() from the same seed, in memory or under tiered_offload: (loss, grad_norm) per step, the
+    weights after, and the Trainer."""
+    from transformers import Trainer
+
+    torch.manual_seed(0)
+    model, opt = model_and_optimizer()
+    # "before": a StepLR made before the context; "trainer": the Trainer's own, made inside train()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5) if scheduler == "before" else None
+    trainer = Trainer(model=model, args=trainer_args(tmp_path / ("tm" if offloaded else "mem"), **kw),
+                      train_dataset=Tokens(), optimizers=(opt, sched))
+    if offloaded:
+        with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+            trainer.train()
+            assert tm.stats()["bytes_read"] > 0
+    else:
+        trainer.train()
+    logged = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    return logged, weights(model), trainer
+
+
+@pytest.mark.parametrize("scheduler,accumulation,clip", [("before", 1, 0.05), ("trainer", 2, 0.05),
+                                                         ("trainer", 2, 0.0)],
+                         ids=["StepLR-before-clip", "its-own-scheduler-accumulate-clip", "accumulate-no-clip"])
+def test_hf_trainer_trains_as_in_memory(tmp_path, compute_device, scheduler: str, accumulation: int,
+                                        clip: float) -> None:
+    """Trainer(model, args, optimizers=(opt, sched)).train() under tiered_offload(model, optimizer=opt): its
+    logged losses and gradient norms and the weights equal the Trainer's in memory, bit for bit. Before, the
+    Trainer's clipping (accelerate's, over parameters whose .grad is None here) logged a norm of 0 and clipped
+    nothing, and a scheduler (the Trainer's own, made in train()) changed param-group dicts the tiers no longer
+    read once accelerate's prepare() had reloaded the optimizer: the learning rate stayed at its first value."""
+    kw = {"gradient_accumulation_steps": accumulation, "max_grad_norm": clip}
+    want, want_w, _ = run_trainer(tmp_path, False, scheduler, **kw)
+    got, got_w, trainer = run_trainer(tmp_path, True, scheduler, **kw)
+    assert len(want) == 4 and got == want
+    assert differing(want_w, got_w) == []
+    assert all(norm > 0.05 for _, norm in want)  # when clipping is on, it clips at every step
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert len(set(lrs)) > 1  # the schedule moved the learning rate
+
+
+def test_hf_trainer_checkpoints_and_resumes_as_in_memory(tmp_path, compute_device) -> None:
+    """A Trainer saving a checkpoint at step 2 under tiered_offload writes the trained weights and the optimizer
+    state from the tiers (the optimizer.pt of an in-memory run, value for value), and a fresh model and context
+    resuming from it with train(resume_from_checkpoint=...) end where the in-memory run resumed from its own
+    checkpoint ends. Before, optimizer.state_dict() was the original optimizer's, empty inside the context."""
+    from transformers import Trainer
+
+    def resumed(offloaded: bool) -> dict[str, torch.Tensor]:
+        out = tmp_path / ("tm" if offloaded else "mem")
+        for resume in (False, True):
+            torch.manual_seed(0)
+            model, opt = model_and_optimizer()
+            args = trainer_args(out, save_strategy="steps", save_steps=2, max_steps=2 if not resume else 4)
+            trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, None))
+            start = str(out / "checkpoint-2") if resume else None
+            if offloaded:
+                with tiered_offload(model, optimizer=opt, **cfg(tmp_path / f"swap{resume}")):
+                    trainer.train(resume_from_checkpoint=start)
+            else:
+                trainer.train(resume_from_checkpoint=start)
+        return weights(model)
+
+    want = resumed(False)
+    got = resumed(True)
+    assert differing(want, got) == []
+    mem, tm = (torch.load(tmp_path / d / "checkpoint-2" / "optimizer.pt", weights_only=True) for d in ("mem", "tm"))
+    assert len(mem["state"]) == len(tm["state"]) == len(list(models.gpt2().parameters()))
+    for k, entry in mem["state"].items():
+        assert set(entry) == set(tm["state"][k]) and all(torch.equal(v, tm["state"][k][n]) for n, v in entry.items())
+    assert [g["lr"] for g in mem["param_groups"]] == [g["lr"] for g in tm["param_groups"]]
+
+
+def test_an_accelerate_loop_trains_as_in_memory(tmp_path, compute_device) -> None:
+    """accelerate's documented loop (prepare, accumulate(model), accelerator.backward, clip_grad_norm_ when
+    gradients sync, a scheduler) under tiered_offload: the norms it returns and the weights equal the same loop's
+    in memory."""
+    from accelerate import Accelerator
+
+    def train(offloaded: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model, opt = model_and_optimizer()
+        accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+        norms: list[float] = []
+
+        def loop() -> None:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+            m, o, data, s = accelerator.prepare(model, opt, DataLoader(Tokens(), batch_size=2), sched)
+            for batch in data:
+                with accelerator.accumulate(m):
+                    accelerator.backward(m(**batch).loss)
+                    if accelerator.sync_gradients:
+                        norms.append(float(accelerator.clip_grad_norm_(m.parameters(), 0.05)))
+                    o.step()
+                    s.step()
+                    o.zero_grad()
+
+        if offloaded:
+            with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
+                loop()
+        else:
+            loop()
+        accelerator.free_memory()
+        return norms, weights(model)
+
+    want, want_w = train(False)
+    got, got_w = train(True)
+    assert len(want) == 2 and all(n > 0.05 for n in want) and got == want
+    assert differing(want_w, got_w) == []
+
+
+def test_a_scheduler_made_inside_the_context_steps_the_tiers(tmp_path, compute_device) -> None:
+    """A scheduler made inside the context (as HF Trainer makes its own) drives the learning rate of the tiers'
+    updates, and one made before it does not warn that step() was replaced. Before, one made inside wrapped the
+    tiers' step() as a method of the original optimizer, and the first step raised AttributeError."""
+    import warnings
+
+    data = [torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    results = []
+    for offloaded in (False, True):
+        model, opt = model_and_optimizer()
+        model.eval()
+        before = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch warns when step() looks replaced after a scheduler was made
+            with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) if offloaded else _nothing():
+                inside = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+                for x in data:
+                    model(x, labels=x).loss.backward()
+                    opt.step()
+                    before.step()
+                    inside.step()
+                    opt.zero_grad()
+        results.append(weights(model))
+    assert differing(*results) == []
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def test_optimizer_state_dict_inside_the_context_is_the_tiers(tmp_path, compute_device) -> None:
+    """Inside the context the original optimizer's state_dict() returns the state from the tiers (what
+    torch.save of it keeps), and its load_state_dict() loads into them: a run that saves after 2 steps, loads
+    that into a fresh context and takes 2 more ends where 4 steps in memory end."""
+    data = [torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(4)]
+
+    def steps(model: nn.Module, opt: torch.optim.Optimizer, batch: list[torch.Tensor]) -> None:
+        for x in batch:
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = model_and_optimizer()
+    model.eval()
+    steps(model, opt, data[:2])
+    halfway = {k: {n: v.clone() for n, v in e.items()} for k, e in opt.state_dict()["state"].items()}
+    steps(model, opt, data[2:])
+    want = weights(model)
+
+    model, opt = model_and_optimizer()
+    model.eval()
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path / "a")):
+        steps(model, opt, data[:2])
+        saved = opt.state_dict()
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+    assert opt.state_dict()["state"] == {}  # the original's own, outside: the state stayed in the tiers
+    assert halfway.keys() == saved["state"].keys()
+    assert all(torch.equal(v, saved["state"][k][n]) for k, e in halfway.items() for n, v in e.items())
+    model, opt = model_and_optimizer()
+    model.eval()
+    model.load_state_dict(sd)
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path / "b")):
+        opt.load_state_dict(saved)
+        steps(model, opt, data[2:])
+    assert differing(want, weights(model)) == []
+
+
+def test_accelerate_imported_inside_the_context_clips_in_the_tiers(tmp_path) -> None:
+    """accelerate imported only after the context began (transformers imports it with its Trainer, on first
+    use) still clips the tiers' gradients: the norm its clip_grad_norm_ returns is torch's in memory."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from tiermem import tiered_offload
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+        norms = []
+        for offloaded in (False, True):
+            torch.manual_seed(0)  # a plain torch model: transformers' models import accelerate with them
+            model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            if offloaded:
+                with tiered_offload(model, optimizer=opt, device="cpu", **{{"params.tier": "nvme",
+                        "nvme.paths": [{str(tmp_path / "swap")!r}], "wrap.min_unit_bytes": 0}}):
+                    model(x).square().sum().backward()
+                    assert "accelerate.accelerator" not in sys.modules
+                    from accelerate import Accelerator
+                    norms.append(float(Accelerator(cpu=True).clip_grad_norm_(model.parameters(), 0.05)))
+            else:
+                model(x).square().sum().backward()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        print(norms)
+        assert norms[0] > 0.05 and norms[1] == norms[0], norms
+        assert Accelerator.clip_grad_norm_.__module__.startswith("accelerate"), "put back when the context ended"
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
