@@ -86,17 +86,18 @@ def run_trainer(tmp_path: Path, offloaded: bool, scheduler: str, **kw: Any) -> t
     return logged, weights(model), trainer
 
 
-@pytest.mark.parametrize("scheduler,accumulation,clip", [("before", 1, 0.05), ("trainer", 2, 0.05),
-                                                         ("trainer", 2, 0.0)],
-                         ids=["StepLR-before-clip", "its-own-scheduler-accumulate-clip", "accumulate-no-clip"])
+@pytest.mark.parametrize("scheduler,accumulation,clip,bf16", [("before", 1, 0.05, False), ("trainer", 2, 0.05, False),
+                                                              ("trainer", 2, 0.0, False), ("trainer", 2, 0.05, True)],
+                         ids=["StepLR-before-clip", "its-own-scheduler-accumulate-clip", "accumulate-no-clip",
+                              "bf16-autocast"])
 def test_hf_trainer_trains_as_in_memory(tmp_path, compute_device, scheduler: str, accumulation: int,
-                                        clip: float) -> None:
+                                        clip: float, bf16: bool) -> None:
     """Trainer(model, args, optimizers=(opt, sched)).train() under tiered_offload(model, optimizer=opt): its
     logged losses and gradient norms and the weights equal the Trainer's in memory, bit for bit. Before, the
     Trainer's clipping (accelerate's, over parameters whose .grad is None here) logged a norm of 0 and clipped
     nothing, and a scheduler (the Trainer's own, made in train()) changed param-group dicts the tiers no longer
     read once accelerate's prepare() had reloaded the optimizer: the learning rate stayed at its first value."""
-    kw = {"gradient_accumulation_steps": accumulation, "max_grad_norm": clip}
+    kw = {"gradient_accumulation_steps": accumulation, "max_grad_norm": clip, "bf16": bf16}
     want, want_w, _ = run_trainer(tmp_path, False, scheduler, **kw)
     got, got_w, trainer = run_trainer(tmp_path, True, scheduler, **kw)
     assert len(want) == 4 and got == want

@@ -173,25 +173,36 @@ class Runtime:
 
     # -- hooks --------------------------------------------------------------------------------------
     def register_hooks(self) -> None:
-        """All hooks, in one place; their handles are kept so `remove_hooks` undoes exactly these."""
-        self.handles.append(self.model.register_forward_pre_hook(self._pass_begin))
-        self.handles.append(self.model.register_forward_hook(self._pass_end, always_call=True))
+        """All hooks, in one place; their handles are kept so `remove_hooks` undoes exactly these.
+
+        # [Note: torch.compile]
+        A model compiled with torch.compile (the whole model, or each block, as `module.compile()` does) is traced
+        by dynamo through its modules' hooks as well. The runtime's hooks do I/O, wait on other threads and
+        rebind parameters: each is marked `torch.compiler.disable`, so dynamo breaks its graph there and calls
+        the hook as it is, and the compiled graphs run between them, one per stretch of a unit's compute. A
+        parameter is a graph input, so the storage a hook binds to it before the compute is what the graph reads.
+        The saved-tensor hooks stay outside any graph: AOTAutograd's compiled functions save through them as
+        eager autograd does, so parameters and activations leave the device between forward and backward alike.
+        """
+        eager = torch.compiler.disable
+        self.handles.append(self.model.register_forward_pre_hook(eager(self._pass_begin)))
+        self.handles.append(self.model.register_forward_hook(eager(self._pass_end), always_call=True))
         for module, indices in self.needs.items():
-            self.handles.append(module.register_forward_pre_hook(self._make_pre(indices)))
-            self.handles.append(module.register_forward_hook(self._make_post(indices), always_call=True))
+            self.handles.append(module.register_forward_pre_hook(eager(self._make_pre(indices))))
+            self.handles.append(module.register_forward_hook(eager(self._make_post(indices)), always_call=True))
         # every other module holding a unit's parameters acquires that unit too: inside the unit's own forward
         # that only counts a use (cheap), but activation checkpointing recomputes a block in backward by calling
         # its forward() itself, past the block's hooks, and only its submodules' hooks see the recompute
         for module, held in self._parameter_owners().items():
             if module not in self.needs:
-                self.handles.append(module.register_forward_pre_hook(self._make_pre(held)))
-                self.handles.append(module.register_forward_hook(self._make_post(held), always_call=True))
+                self.handles.append(module.register_forward_pre_hook(eager(self._make_pre(held))))
+                self.handles.append(module.register_forward_hook(eager(self._make_post(held)), always_call=True))
         for u in self.units:
             for _, p in u.params:
                 if p.requires_grad:
                     self._trainable_count[u.index] = self._trainable_count.get(u.index, 0) + 1
-                    self.handles.append(p.register_hook(self._make_grad_arriving(u.index)))
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                    self.handles.append(p.register_hook(eager(self._make_grad_arriving(u.index))))
+                    self.handles.append(p.register_post_accumulate_grad_hook(eager(self._grad_ready)))
         act = self.swapper.config.activations
         if act.tier == "nvme":
             self.activations = ActivationStore(self.swapper, act.buffer, act.min_bytes, act.keep or 0)
@@ -199,7 +210,7 @@ class Runtime:
             from tiermem.runtime.kv_cache import KVStore  # transformers' cache layers: imported only for it
 
             self.kv = KVStore(self)
-            self.handles.append(self.model.register_forward_pre_hook(self.kv.on_forward, with_kwargs=True))
+            self.handles.append(self.model.register_forward_pre_hook(eager(self.kv.on_forward), with_kwargs=True))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
 

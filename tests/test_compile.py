@@ -1,0 +1,110 @@
+"""torch.compile on a model under tiered_offload: the whole model or each block compiled, trained and run as the
+same compiled model in memory is (see [Note: torch.compile] in tiermem/runtime/runtime.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests import models
+from tiermem import tiered_offload
+
+pytest.importorskip("transformers")
+
+
+def cfg(tmp_path: Path, **kw: Any) -> dict[str, Any]:
+    return {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme", "nvme.paths": [str(tmp_path / "swap")],
+            "memory.host_budget": "8MiB", "wrap.min_unit_bytes": 0, **kw}
+
+
+def compiled(model: nn.Module, how: str, backend: str) -> nn.Module:
+    torch._dynamo.reset()  # each run compiles afresh: no graph of another run's model is reused
+    if how == "model":
+        return torch.compile(model, backend=backend)
+    for block in model.transformer.h:  # regional compilation, as torch's docs recommend for transformers
+        block.compile(backend=backend)
+    return model
+
+
+def train(model: nn.Module, steps: int = 3) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return _steps(model, opt, steps)
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    losses = []
+    for k in range(steps):
+        x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k))
+        loss = model(x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("how", ["model", "blocks"])
+@pytest.mark.parametrize("activations", ["memory", "nvme"])
+def test_a_compiled_model_trains_as_compiled_in_memory(tmp_path, compute_device, how: str, activations: str) -> None:
+    """torch.compile (aot_eager: dynamo and AOTAutograd, the parts that meet the hooks) of the whole model or of
+    each block, three steps with clipping: losses and weights equal the same compiled model's in memory, with
+    parameters, optimizer state and (nvme) saved activations in their tiers. Before, dynamo traced into the
+    hooks' I/O and failed."""
+    results = []
+    for offloaded in (False, True):
+        model = models.gpt2().eval()
+        model.config.use_cache = False
+        run = compiled(model, how, "aot_eager")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if offloaded:
+            act = {"activations.tier": "nvme", "activations.min_bytes": "1KiB", "activations.buffer": "512KiB",
+                   "activations.keep": 0} if activations == "nvme" else {"activations.tier": "memory"}
+            with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **act)) as tm:
+                losses = _steps(run, opt, 3)
+                stats = tm.stats()
+            assert stats["bytes_read"] > 0
+            if activations == "nvme":
+                assert stats["activations_bytes_written"] > 0, stats
+        else:
+            losses = _steps(run, opt, 3)
+        results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (want, want_w), (got, got_w) = results
+    assert got == want
+    assert [n for n in want_w if not torch.equal(want_w[n], got_w[n])] == []
+
+
+def test_inductor_compiled_model_runs_and_trains_under_the_context(tmp_path) -> None:
+    """The default backend (inductor, which generates C++ here): logits of a compiled forward and a training step
+    equal the same compiled model's in memory."""
+    results = []
+    x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    start_w = {n: p.detach().clone() for n, p in models.gpt2().named_parameters()}
+    for offloaded in (False, True):
+        model = models.gpt2().eval()
+        model.config.use_cache = False
+        run = compiled(model, "model", "inductor")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if offloaded:
+            with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
+                with torch.no_grad():
+                    logits = run(x).logits
+                losses = _steps(run, opt, 2)
+        else:
+            with torch.no_grad():
+                logits = run(x).logits
+            losses = _steps(run, opt, 2)
+        results.append((logits, losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (want_l, want, want_w), (got_l, got, got_w) = results
+    # inductor fuses across what the hooks split into separate graphs: the same values to rounding, not bit for
+    # bit; AdamW's first steps, which divide by the gradients' own size, carry a rounding of 1e-7 to about 3e-5
+    torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
+    assert got == pytest.approx(want, rel=1e-5)
+    for n in want_w:
+        torch.testing.assert_close(got_w[n], want_w[n], rtol=1e-4, atol=1e-4)
+    # and the steps moved the weights by far more than that
+    assert max(float((want_w[n] - start_w[n]).abs().max()) for n in want_w) > 1e-3
