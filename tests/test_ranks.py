@@ -362,6 +362,8 @@ def _one_rank_raises(rank: int, world: int, folder: Path, stays: bool) -> None:
     except RestoreError as exc:  # each rank leaves with the parameters named, on the meta device
         cause = exc.__context__
         assert isinstance(cause, RanksError if rank == 0 else ValueError), repr(cause)
+        # the bytes were never unreadable: the fix named is the error's, not the drive's
+        assert "Check the drive" not in str(exc) and "Fix the error above" in str(exc), str(exc)
         (folder / f"outcome{rank}").write_text(f"{type(cause).__name__}: {cause}\n{time.monotonic() - t0:.1f}")
         if rank == 1 and stays:  # its loop caught the error and went on: the process group stays up
             while not (folder / "outcome0").exists() and time.monotonic() - t0 < 40:

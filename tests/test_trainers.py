@@ -277,3 +277,20 @@ def test_accelerate_imported_inside_the_context_clips_in_the_tiers(tmp_path) -> 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_wrapping_the_model_in_ddp_inside_the_context_is_an_error_naming_the_fix(tmp_path) -> None:
+    """DistributedDataParallel(model) of a model under tiered_offload raises at once, saying the tiers already
+    shard it and average its gradients and to call the model unwrapped; torch's DDP is put back at exit.
+    Before, backward failed deep in autograd ("invalid gradient ... expected shape compatible with [0]")."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tiermem import OffloadError
+
+    torch_init = DistributedDataParallel.__init__
+    model, opt = model_and_optimizer()
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
+        with pytest.raises(OffloadError, match=r"DistributedDataParallel\(GPT2LMHeadModel\).*already shards.*"
+                                               r"Call the model itself"):
+            DistributedDataParallel(model)
+    assert DistributedDataParallel.__init__ is torch_init

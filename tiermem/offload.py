@@ -1011,7 +1011,7 @@ def _unpack(handle: OffloadHandle, restore: bool, raised: bool = False) -> None:
         _to_meta(handle.model, handle.units)
         why = OffloadError(f"rank {handle.units[0].ranks.rank} left tiered_offload on an error; with several ranks "
                            "the parameters can be given back only by all ranks together")
-        raise _restore_error({fqn: why for u in handle.units for fqn, _ in u.params}, "")
+        raise _restore_error({fqn: why for u in handle.units for fqn, _ in u.params}, "", unreadable=False)
     if not restore:
         made = _to_meta(handle.model, handle.units)
         _swap_in_optimizer(handle.optimizer.original if handle.optimizer is not None else None, made)
@@ -1073,14 +1073,17 @@ def _restore_sharded(model: nn.Module, units: list[Unit], swapper: TensorSwapper
     return failed
 
 
-def _restore_error(failed: dict[str, BaseException], context: str) -> RestoreError:
+def _restore_error(failed: dict[str, BaseException], context: str, unreadable: bool = True) -> RestoreError:
+    """`unreadable`: the bytes could not be read (else they were not gathered: a rank left on an error)."""
     names = list(failed)
     errors = sorted({str(e) for e in failed.values()})
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    check = "Check the drive (dmesg, smartctl) and reload" if unreadable else "Fix the error above and reload"
     return RestoreError(
-        f"{context}{len(names)} parameter(s) could not be given back, their bytes unreadable "
-        f"({'; '.join(errors[:3])}): {shown}. Every other parameter was restored; these are on the meta device "
-        "now. Check the drive (dmesg, smartctl) and reload them from your last checkpoint", failed)
+        f"{context}{len(names)} parameter(s) could not be given back"
+        f"{', their bytes unreadable' if unreadable else ''} ({'; '.join(errors[:3])}): {shown}. Every other "
+        f"parameter was restored; these are on the meta device now. {check} them from your last checkpoint",
+        failed)
 
 
 def _restore_unit(unit: Unit, swapper: TensorSwapper) -> None:

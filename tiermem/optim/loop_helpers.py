@@ -27,6 +27,9 @@ is open:
   parameters whose `.grad` is set (none, here) and so returned 0 without clipping: it is replaced alike,
   unscaling first as accelerate does. accelerate is not imported for this: if it is not yet when the context
   begins, the replacement is made when it is (transformers imports it with its models or its Trainer).
+- `DistributedDataParallel(model)` of such a model raises: the tiers already shard it across the ranks and
+  average its gradients, and DDP's gradient hooks would meet placeholders (before, backward failed with
+  "invalid gradient ... expected shape compatible with [0]").
 - Everything is put back when the last such context ends.
 - Under several ranks each unit is gathered from every rank, so `model.state_dict()` (below) is called on
   every rank, as `tm.save_checkpoint` is.
@@ -49,6 +52,7 @@ from typing import Any
 
 import torch
 from torch.amp.grad_scaler import GradScaler
+from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad as _clip_module
 
 from tiermem.errors import OffloadError
@@ -203,6 +207,22 @@ class _AccelerateOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 _on_import = _AccelerateOnImport()
 
 
+def _ddp_init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+    """DistributedDataParallel's __init__, refused for a model under tiered_offload."""
+    tm = next((_owner[id(p)] for p in module.parameters() if id(p) in _owner), None)
+    if tm is not None:
+        raise OffloadError(
+            f"DistributedDataParallel({type(module).__name__}): the model is under tiered_offload, which already "
+            "shards it across the ranks of the process group and averages their gradients (each rank holds 1/N "
+            "of every unit); DDP's hooks would see only the tiers' empty placeholders. Call the model itself "
+            "instead of wrapping it. HF Trainer and accelerate wrap the model so when launched on several "
+            "processes: with tiered_offload run them in one process, or write the loop with the model unwrapped")
+    _DDP["__init__"](ddp, module, *args, **kwargs)
+
+
+_DDP: dict[str, Callable[..., Any]] = {"__init__": DistributedDataParallel.__init__}
+
+
 _OURS: dict[str, Callable[..., Any]] = {"clip_grad_norm_": clip_grad_norm_, "clip_grad_value_": clip_grad_value_,
                                         "_get_total_norm": _get_total_norm, "_clip_grads_with_norm_": _clip_grads,
                                         "_unscale_grads_": _unscale_grads_}
@@ -216,6 +236,7 @@ def _install(functions: dict[str, Callable[..., Any]]) -> None:
         setattr(_clip_module, name, functions[name])
     GradScaler._unscale_grads_ = functions["_unscale_grads_"]  # type: ignore[method-assign]
     ours = functions is _OURS
+    DistributedDataParallel.__init__ = _ddp_init if ours else _DDP["__init__"]  # type: ignore[method-assign,assignment]
     if _ACCELERATOR in sys.modules:
         _install_accelerate(sys.modules[_ACCELERATOR], ours)
     if _on_import in sys.meta_path:
