@@ -294,3 +294,44 @@ def test_wrapping_the_model_in_ddp_inside_the_context_is_an_error_naming_the_fix
                                                r"Call the model itself"):
             DistributedDataParallel(model)
     assert DistributedDataParallel.__init__ is torch_init
+
+
+def test_hf_trainer_fine_tunes_lora_on_a_meta_base_as_in_memory(tmp_path, compute_device) -> None:
+    """The fine-tune that does not fit, through the Trainer: LoRA adapters (PEFT) on a base built on the meta
+    device and streamed from its checkpoint, three clipped steps with the Trainer's own scheduler: the logged
+    losses and gradient norms and the adapters equal the Trainer's on the base in memory."""
+    peft = pytest.importorskip("peft")
+    import transformers
+    from transformers import Trainer
+
+    from tests import test_finetune as ft
+
+    base, path = ft.base_checkpoint(tmp_path)
+
+    def train(model: nn.Module, out: Path, offload: dict[str, Any] | None) -> list[Any]:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+        def make() -> Any:  # the Trainer moves the model to its device when made: a meta model only inside
+            return Trainer(model=model, args=trainer_args(out, max_steps=3, gradient_accumulation_steps=1),
+                           train_dataset=Tokens(), optimizers=(opt, None))
+
+        if offload is None:
+            (trainer := make()).train()
+        else:
+            with tiered_offload(model, optimizer=opt, **offload):
+                (trainer := make()).train()
+        return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+
+    torch.manual_seed(123)
+    ref = peft.get_peft_model(base, ft.lora_config())
+    want = train(ref, tmp_path / "mem", None)
+    with torch.device("meta"):
+        meta_base = transformers.GPT2LMHeadModel(ft.gpt2_config())
+    torch.manual_seed(123)
+    model = peft.get_peft_model(meta_base, ft.lora_config())
+    got = train(model, tmp_path / "tm", {"checkpoint": path, "init_missing": ["*.lora_*"], "init_seed": 123,
+                                         **ft.cfg(tmp_path)})
+    assert len(want) == 3 and got == want
+    trained = dict(model.named_parameters())
+    lora = [n for n, _ in ref.named_parameters() if "lora_" in n]
+    assert lora and [n for n, p in ref.named_parameters() if n in lora and not torch.equal(p, trained[n])] == []
