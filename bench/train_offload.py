@@ -32,6 +32,10 @@ seed, in host memory, and sees the same batches in the same order. Variants:
                         virtual machine whose disk is emulated by the host, I/O takes CPU time from the guest
                         (steal); an offload that moves those bytes pays it whatever its schedule, so (a/io), not
                         (a), is the floor for (e) here. fio's achieved read/write GB/s are in the JSON.
+  (a/T), (e/T)          (a) and (e) trained by HF Trainer (Trainer(model, args, optimizers=(AdamW, None)).train(),
+                        inside the context for (e/T)): its loop, clipping and accumulation, a constant lr, the
+                        same batches in order; only when named in --variants. (e/T)'s losses are compared with
+                        (a/T)'s (the Trainer sums an accumulated step's loss over all its tokens)
   (d) DeepSpeed ZeRO-3  deepspeed.initialize with zero_optimization stage 3, offload_param and
                         offload_optimizer on NVMe (--swap-dir/deepspeed), its own AdamW (DeepSpeedCPUAdam),
                         DS_ACCELERATOR=cpu, gloo, one process; offload_param.buffer_count = the number of
@@ -162,7 +166,11 @@ VARIANTS = (
     Variant("deepspeed", "(d) DeepSpeed ZeRO-3 NVMe", "deepspeed"),
     # (a) beside fio moving --io-load through the swap disk: the floor the disk traffic sets on this machine
     Variant("plain_io", "(a/io) (a) + fio --io-load", "plain", default=False),
+    # (a) and (e) with the loop HF Trainer runs instead of the script's own (see `trainer_steps`)
+    Variant("trainer", "(a/T) (a) in HF Trainer", "plain", default=False),
+    Variant("tiermem_default_trainer", "(e/T) (e) in HF Trainer", "tiermem", default=False),
 )
+TRAINER_LOOP = {"trainer", "tiermem_default_trainer"}
 BY_KEY = {v.key: v for v in VARIANTS}
 GOAL_VARIANTS = (("tiermem_nvme", ""), ("tiermem_lazy", "_lazy"), ("tiermem_default", "_default"),
                  ("tiermem_act", "_act"), ("tiermem_act_torchalloc", "_act_torchalloc"))  # (c) and its kin
@@ -310,10 +318,12 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["setup_peak_rss_bytes"] = peak_rss_bytes()
     out["peak_reset"] = reset_peak_rss()
 
-    samples = []
+    samples: list[dict[str, Any]] = []
     load = fio_load(spec) if v.key == "plain_io" else None
     try:
-        for i in range(spec["warmup"] + spec["steps"]):
+        if v.key in TRAINER_LOOP:
+            samples = trainer_steps(spec, model, opt0 if tm is not None else opt, batches, tm)
+        for i in range(0 if v.key in TRAINER_LOOP else spec["warmup"] + spec["steps"]):
             micro = batches[i * acc : (i + 1) * acc]
             if tm is not None:
                 tm.reset_stats()
@@ -377,6 +387,75 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["transformers"] = transformers.__version__
     out["process_seconds"] = time.perf_counter() - t_start
     return out
+
+
+def trainer_steps(spec: dict[str, Any], model: Any, opt: Any, batches: list[Any], tm: Any) -> list[dict[str, Any]]:
+    """The variant's steps run by HF Trainer (`Trainer(model, args, optimizers=(opt, None)).train()`), as a user
+    of it trains: its own loop, accumulation, clipping (--clip as max_grad_norm; none for None), a constant
+    learning rate (the script's AdamW's), the script's batches in their order (its sampler made sequential),
+    one log line a step. A step is timed from the Trainer's on_step_begin to its on_step_end callback, the
+    optimizer step from on_pre_optimizer_step; the losses and gradient norms are those the Trainer logged
+    (its loss over an accumulated step is summed over all its tokens, so they are compared with (a/T), not
+    (a)). `opt` is the optimizer tiered_offload was given, for (e/T), as the Trainer is handed it."""
+    from torch.utils.data import Dataset, SequentialSampler
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Rows(Dataset):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            self.rows = [row for b in batches for row in b]
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+            return SequentialSampler(self.train_dataset)
+
+    samples: list[dict[str, Any]] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if tm is not None:
+                tm.reset_stats()
+            self.busy0, self.io0 = cpu_busy_seconds(), proc_io()
+            self.c0, self.t0 = time.process_time(), time.perf_counter()
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.t1 = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            t2, c2 = time.perf_counter(), time.process_time()
+            busy2, io2 = cpu_busy_seconds(), proc_io()
+            sample = {"warmup": len(samples) < spec["warmup"], "seconds": t2 - self.t0,
+                      "forward_backward_seconds": self.t1 - self.t0, "optimizer_seconds": t2 - self.t1,
+                      "cpu_seconds": c2 - self.c0, "other_cpu_seconds": other_cpu_seconds(self.busy0, busy2,
+                                                                                         c2 - self.c0),
+                      "disk_read_bytes": io2[0] - self.io0[0] if self.io0 and io2 else None,
+                      "disk_write_bytes": io2[1] - self.io0[1] if self.io0 and io2 else None}
+            if tm is not None:
+                st = tm.stats()
+                sample.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds",
+                                                  "update_wait_seconds")})
+                sample.update({k: v for k, v in st.items() if k.startswith("activations_")})
+                sample["peak_host_bytes"] = st["peak_bytes"]["host"]
+                sample["peak_device_bytes"] = st["peak_bytes"]["device"]
+            samples.append(sample)
+
+    steps = spec["warmup"] + spec["steps"]
+    args = TrainingArguments(
+        output_dir=os.path.join(spec["ds_swap_dir"], "..", "trainer"), per_device_train_batch_size=spec["batch"],
+        gradient_accumulation_steps=spec["accumulate"], max_grad_norm=spec["clip"] or 0.0, max_steps=steps,
+        learning_rate=ADAMW["lr"], lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True,
+        save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, seed=SEED)
+    trainer = InOrder(model=model, args=args, train_dataset=Rows(), optimizers=(opt, None), callbacks=[Timer()])
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    for sample, h in zip(samples, logged, strict=True):
+        sample["loss"], sample["grad_norm"] = float(h["loss"]), float(h["grad_norm"])
+    return samples
 
 
 def update_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -525,13 +604,16 @@ def summarize(runs: list[dict[str, Any]], variants: list[Variant]) -> list[dict[
 
 
 def check_losses(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every variant's per-step losses against plain PyTorch's of the same round."""
-    ref = {r["round"]: [s["loss"] for s in r["samples"]] for r in runs if r["variant"] == "plain" and "error" not in r}
+    """Every variant's per-step losses against plain PyTorch's of the same round (those run by HF Trainer
+    against (a/T)'s, which computes them its own way)."""
+    ref = {(r["variant"], r["round"]): [s["loss"] for s in r["samples"]] for r in runs
+           if r["variant"] in ("plain", "trainer") and "error" not in r}
     out = []
     for r in runs:
-        if r["variant"] == "plain" or "error" in r or r["round"] not in ref:
+        key = ("trainer" if r["variant"] in TRAINER_LOOP else "plain", r["round"])
+        if r["variant"] in ("plain", "trainer") or "error" in r or key not in ref:
             continue
-        mine, base = [s["loss"] for s in r["samples"]], ref[r["round"]]
+        mine, base = [s["loss"] for s in r["samples"]], ref[key]
         diffs = [abs(a - b) for a, b in zip(mine, base, strict=True)]
         out.append({"variant": r["variant"], "round": r["round"], "steps": len(mine),
                     "bit_exact": mine == base, "max_abs_diff": max(diffs) if diffs else 0.0,
@@ -622,6 +704,11 @@ def goals(summary: list[dict[str, Any]], runs: list[dict[str, Any]], bw: dict[st
         r = e["seconds_mean"] / d["seconds_mean"]
         out["default_vs_deepspeed"] = {"held": r <= DEFAULT_DS_GOAL, "ratio": r, "goal": DEFAULT_DS_GOAL,
                                        "paired": paired(runs, "tiermem_default", "deepspeed")}
+    et, at = by.get("tiermem_default_trainer"), by.get("trainer")
+    if et and at:  # the same goal with the loop HF Trainer runs
+        r = et["seconds_mean"] / at["seconds_mean"]
+        out["default_vs_plain_trainer"] = {"held": r <= DEFAULT_PLAIN_GOAL, "ratio": r, "goal": DEFAULT_PLAIN_GOAL,
+                                           "paired": paired(runs, "tiermem_default_trainer", "trainer")}
     if e:
         above = max(r["steps_peak_rss_bytes"] - r["rss_after_imports_bytes"] for r in runs
                     if r["variant"] == "tiermem_default" and "error" not in r and r.get("steps_peak_rss_bytes"))
@@ -707,7 +794,7 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
               f"write {bw['write_gbps']:.2f} ± {bw['write_gbps_std']:.2f} GB/s ({bw['samples']} transfers of "
               f"{bw['size']} each way)")
     bad = [x for x in losses if not x["bit_exact"]]
-    print("losses vs (a), every step: " + "; ".join(
+    print("losses vs (a) (those in HF Trainer vs (a/T)), every step: " + "; ".join(
         f"{x['variant']} r{x['round']} " + ("bit-exact" if x["bit_exact"] else f"max |diff| {x['max_abs_diff']:.3g}")
         for x in losses))
     if any(x["variant"] != "deepspeed" for x in bad):
@@ -743,10 +830,11 @@ def print_tables(summary: list[dict[str, Any]], verdict: dict[str, Any], bw: dic
                   f"parameters/s, ratio {g['ratio']:.2f}" + (f", paired per round {pv['mean']:.2f} ± {pv['std']:.2f}"
                                                              if pv else "") + ")")
     for key, what in (("default_vs_plain", "(a)"), ("default_vs_plain_io", "(a/io)"),
-                      ("default_vs_deepspeed", "(d)")):
+                      ("default_vs_deepspeed", "(d)"), ("default_vs_plain_trainer", "(a/T), both in HF Trainer")):
         g = verdict.get(key)
         if g:
-            print(f"  (e) the defaults <= {g['goal']} x {what}: {'held' if g['held'] else 'NOT held'} "
+            who = "(e/T)" if key.endswith("_trainer") else "(e)"
+            print(f"  {who} the defaults <= {g['goal']} x {what}: {'held' if g['held'] else 'NOT held'} "
                   f"({g['ratio']:.2f} x)")
     g = verdict.get("default_rss_above_imports")
     if g:
@@ -874,6 +962,7 @@ def main(argv: list[str]) -> int:
                             "activations.buffer": args.activations_buffer}
     tiers["tiermem_act_torchalloc"] = {**tiers["tiermem_act"], "memory.cpu_allocator": "torch"}
     tiers["tiermem_default_torchalloc"] = {**tiers["tiermem_default"], "memory.cpu_allocator": "torch"}
+    tiers["tiermem_default_trainer"] = tiers["tiermem_default"]
     variants = args.variant_list
     runs: list[dict[str, Any]] = []
     update_runs: list[dict[str, Any]] = []  # one process of the update benchmark per round
