@@ -18,7 +18,7 @@ from torch import nn
 from tests import models
 from tiermem import tiered_offload
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
@@ -66,8 +66,8 @@ def trainer_args(out: Path, **kw: Any) -> Any:
 
 
 def run_trainer(tmp_path: Path, offloaded: bool, scheduler: str, **kw: Any) -> tuple[list[Any], dict[str, Any], Any]:
-    """Trainer.train() from the same seed, in memory or under tiered_offload: (loss, grad_norm) per step, the
-    weights after, and the Trainer."""
+    """Trainer.train() then evaluate() from the same seed, in memory or under tiered_offload: (loss, grad_norm)
+    per step and ("eval", its loss), the weights after, and the Trainer."""
     from transformers import Trainer
 
     torch.manual_seed(0)
@@ -79,30 +79,42 @@ def run_trainer(tmp_path: Path, offloaded: bool, scheduler: str, **kw: Any) -> t
     if offloaded:
         with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
             trainer.train()
+            evaluated = trainer.evaluate(Tokens(4))["eval_loss"]
             assert tm.stats()["bytes_read"] > 0
     else:
         trainer.train()
+        evaluated = trainer.evaluate(Tokens(4))["eval_loss"]
     logged = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
-    return logged, weights(model), trainer
+    return [*logged, ("eval", evaluated)], weights(model), trainer
 
 
-@pytest.mark.parametrize("scheduler,accumulation,clip,bf16", [("before", 1, 0.05, False), ("trainer", 2, 0.05, False),
-                                                              ("trainer", 2, 0.0, False), ("trainer", 2, 0.05, True)],
-                         ids=["StepLR-before-clip", "its-own-scheduler-accumulate-clip", "accumulate-no-clip",
-                              "bf16-autocast"])
-def test_hf_trainer_trains_as_in_memory(tmp_path, compute_device, scheduler: str, accumulation: int,
-                                        clip: float, bf16: bool) -> None:
-    """Trainer(model, args, optimizers=(opt, sched)).train() under tiered_offload(model, optimizer=opt): its
-    logged losses and gradient norms and the weights equal the Trainer's in memory, bit for bit. Before, the
-    Trainer's clipping (accelerate's, over parameters whose .grad is None here) logged a norm of 0 and clipped
-    nothing, and a scheduler (the Trainer's own, made in train()) changed param-group dicts the tiers no longer
-    read once accelerate's prepare() had reloaded the optimizer: the learning rate stayed at its first value."""
-    kw = {"gradient_accumulation_steps": accumulation, "max_grad_norm": clip, "bf16": bf16}
+# transformers 5 renamed the argument (the old name still works, with a warning)
+_CHECKPOINTING = next(n for n in ("activation_checkpointing", "gradient_checkpointing")
+                      if n in transformers.TrainingArguments.__dataclass_fields__)
+TRAINER_CASES = {  # id: (the scheduler, TrainingArguments beside trainer_args')
+    "StepLR-before-clip": ("before", {"gradient_accumulation_steps": 1}),
+    "its-own-scheduler-accumulate-clip": ("trainer", {}),
+    "accumulate-no-clip": ("trainer", {"max_grad_norm": 0.0}),
+    "bf16-autocast": ("trainer", {"bf16": True}),
+    "gradient-checkpointing": ("trainer", {_CHECKPOINTING: True}),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAINER_CASES))
+def test_hf_trainer_trains_as_in_memory(tmp_path, compute_device, case: str) -> None:
+    """Trainer(model, args, optimizers=(opt, sched)).train() under tiered_offload(model, optimizer=opt), then
+    trainer.evaluate(): its logged losses and gradient norms, the evaluation loss and the weights equal the
+    Trainer's in memory, bit for bit. Before, the Trainer's clipping (accelerate's, over parameters whose .grad
+    is None here) logged a norm of 0 and clipped nothing, and a scheduler (the Trainer's own, made in train())
+    changed param-group dicts the tiers no longer read once accelerate's prepare() had reloaded the optimizer:
+    the learning rate stayed at its first value."""
+    scheduler, kw = TRAINER_CASES[case]
     want, want_w, _ = run_trainer(tmp_path, False, scheduler, **kw)
     got, got_w, trainer = run_trainer(tmp_path, True, scheduler, **kw)
-    assert len(want) == 4 and got == want
+    assert len(want) == 5 and got == want  # four steps and the evaluation
     assert differing(want_w, got_w) == []
-    assert all(norm > 0.05 for _, norm in want)  # when clipping is on, it clips at every step
+    if kw.get("max_grad_norm", 0.05):
+        assert all(norm > 0.05 for _, norm in want[:-1])  # clipping clips at every step
     lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
     assert len(set(lrs)) > 1  # the schedule moved the learning rate
 
