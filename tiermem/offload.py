@@ -712,7 +712,8 @@ _DELEGATED = ("step", "zero_grad", "state_dict", "load_state_dict")
 
 
 def _delegate(original: torch.optim.Optimizer, tiered: TieredOptimizer) -> dict[str, Any]:
-    """Make the original optimizer's step/zero_grad do what tm.optimizer's do; return what to put back.
+    """Make the original optimizer's step, zero_grad, state_dict and load_state_dict tm.optimizer's; return what
+    to put back.
 
     A learning-rate scheduler wraps `optimizer.step` when it is made, to note each call (`_opt_called`), and a
     step marked `_wrapped_by_lr_sched` it leaves as it is. The step put in place does the noting itself and
