@@ -215,6 +215,29 @@ def test_a_scheduler_made_inside_the_context_steps_the_tiers(tmp_path, compute_d
     assert differing(*results) == []
 
 
+def test_step_hooks_registered_on_the_optimizer_run_around_the_tiers_step(tmp_path) -> None:
+    """register_step_pre_hook / register_step_post_hook on the optimizer passed in, before the context and
+    inside it: each is called once per step with that optimizer, the pre hook before the step recorded its
+    update and the post hook after, as in memory they run around the update. Before, the tiers' step skipped
+    them."""
+    seen: list[tuple[str, bool, bool]] = []  # (which, given the optimizer passed in, an update pending)
+    model, opt = model_and_optimizer()
+    model.eval()
+    x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+        opt.register_step_pre_hook(lambda o, a, k: seen.append(("pre", o is opt, tm.optimizer.has_pending())))
+        post = opt.register_step_post_hook(lambda o, a, k: seen.append(("post", o is opt,
+                                                                        tm.optimizer.has_pending())))
+        for _ in range(2):
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        post.remove()
+        model(x, labels=x).loss.backward()
+        opt.step()
+    assert seen == [("pre", True, False), ("post", True, True)] * 2 + [("pre", True, False)]
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None

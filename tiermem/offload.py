@@ -719,7 +719,7 @@ def _delegate(original: torch.optim.Optimizer, tiered: TieredOptimizer) -> dict[
     step marked `_wrapped_by_lr_sched` it leaves as it is. The step put in place does the noting itself and
     carries the mark: a scheduler made before the context then does not warn that step() was replaced, and one
     made inside it (as HF Trainer makes its own in train()) does not wrap the tiers' step, which it would call
-    as a method of the original optimizer.
+    as a method of the original optimizer. Step hooks registered on the original run around it.
 
     state_dict()/load_state_dict() are the tiers' as well: the state lives there, so the original's would save
     none (HF Trainer saves `optimizer.state_dict()` in its checkpoints) and load into a state no step reads;
@@ -727,9 +727,18 @@ def _delegate(original: torch.optim.Optimizer, tiered: TieredOptimizer) -> dict[
     round-trips the optimizer through it)."""
     saved: dict[str, Any] = {n: original.__dict__[n] for n in _DELEGATED if n in original.__dict__}
 
-    def step(closure: Any = None) -> Any:
+    def step(*args: Any, **kwargs: Any) -> Any:
         original._opt_called = True  # type: ignore[attr-defined]  # what a scheduler's own wrapper notes
-        return tiered.step(closure)
+        # hooks registered on the original (register_step_pre_hook / _post_hook), called as torch calls them;
+        # torch's global ones are called by tm.optimizer's own step
+        for pre in list(original._optimizer_step_pre_hooks.values()):
+            changed = pre(original, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+        out = tiered.step(*args, **kwargs)
+        for post in list(original._optimizer_step_post_hooks.values()):
+            post(original, args, kwargs)
+        return out
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     original.step = step  # type: ignore[method-assign]
