@@ -363,12 +363,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 "grad_norm": float(norm) if norm is not None else None,  # before clipping
             }
             if tm is not None:
-                st = tm.stats()
-                sample.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds",
-                                                  "update_wait_seconds")})
-                sample.update({k: v for k, v in st.items() if k.startswith("activations_")})
-                sample["peak_host_bytes"] = st["peak_bytes"]["host"]
-                sample["peak_device_bytes"] = st["peak_bytes"]["device"]
+                sample.update(tiermem_sample(tm))
             samples.append(sample)
         out["steps_peak_rss_bytes"] = status_bytes("VmHWM") if out["peak_reset"] else None
         out["peak_rss_bytes"] = max(out["setup_peak_rss_bytes"], peak_rss_bytes())
@@ -386,6 +381,16 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["rss_after_imports_bytes"] = rss_imports
     out["transformers"] = transformers.__version__
     out["process_seconds"] = time.perf_counter() - t_start
+    return out
+
+
+def tiermem_sample(tm: Any) -> dict[str, Any]:
+    """A step's figures from tm.stats() (reset at the step's start)."""
+    st = tm.stats()
+    out = {k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds", "update_wait_seconds")}
+    out.update({k: v for k, v in st.items() if k.startswith("activations_")})
+    out["peak_host_bytes"] = st["peak_bytes"]["host"]
+    out["peak_device_bytes"] = st["peak_bytes"]["device"]
     return out
 
 
@@ -436,12 +441,7 @@ def trainer_steps(spec: dict[str, Any], model: Any, opt: Any, batches: list[Any]
                       "disk_read_bytes": io2[0] - self.io0[0] if self.io0 and io2 else None,
                       "disk_write_bytes": io2[1] - self.io0[1] if self.io0 and io2 else None}
             if tm is not None:
-                st = tm.stats()
-                sample.update({k: st[k] for k in ("bytes_read", "bytes_written", "stall_seconds",
-                                                  "update_wait_seconds")})
-                sample.update({k: v for k, v in st.items() if k.startswith("activations_")})
-                sample["peak_host_bytes"] = st["peak_bytes"]["host"]
-                sample["peak_device_bytes"] = st["peak_bytes"]["device"]
+                sample.update(tiermem_sample(tm))
             samples.append(sample)
 
     steps = spec["warmup"] + spec["steps"]
