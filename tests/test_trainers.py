@@ -238,6 +238,39 @@ def test_step_hooks_registered_on_the_optimizer_run_around_the_tiers_step(tmp_pa
     assert seen == [("pre", True, False), ("post", True, True)] * 2 + [("pre", True, False)]
 
 
+@pytest.mark.parametrize("case", ["trainer-builds-its-own", "second-optimizer", "context-without-optimizer"])
+def test_stepping_an_optimizer_the_context_was_not_given_is_an_error_naming_the_fix(tmp_path, case: str) -> None:
+    """An optimizer other than the one passed to tiered_offload, stepping the model's parameters inside the
+    context (HF Trainer not handed one builds its own; a second one; one beside a context entered without an
+    optimizer), raises before it changes anything, naming the optimizer to pass; the weights are untouched and
+    the same optimizer steps again normally after the context. Before, the first two updated nothing, silently,
+    and the third failed in torch's AdamW on a placeholder's size."""
+    from transformers import Trainer
+
+    from tiermem import OffloadError
+
+    model, opt = model_and_optimizer()
+    model.eval()
+    before = weights(model)
+    x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    given = None if case == "context-without-optimizer" else opt
+    fix = "entered without an optimizer" if given is None else "step that one"
+    with pytest.raises(OffloadError, match=rf"AdamW.step\(\): this optimizer holds parameters of the "
+                                           rf"GPT2LMHeadModel under tiered_offload.*{fix}"):
+        with tiered_offload(model, optimizer=given, **cfg(tmp_path)):
+            if case == "trainer-builds-its-own":
+                Trainer(model=model, args=trainer_args(tmp_path / "out", max_steps=1),
+                        train_dataset=Tokens()).train()
+            other = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model(x, labels=x).loss.backward()
+            other.step()
+    assert differing(before, weights(model)) == []
+    other = torch.optim.AdamW(model.parameters(), lr=1e-2)  # outside, torch's as ever
+    model(x, labels=x).loss.backward()
+    other.step()
+    assert differing(before, weights(model)) != []
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None

@@ -421,7 +421,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             runtime.optimizer = handle.optimizer
             patched = _delegate(optimizer, handle.optimizer)
             zero_grads = _delegate_zero_grad(handle)
-            loop_helpers.enter(handle)  # see [Note: torch's loop helpers inside the context]
+        loop_helpers.enter(handle)  # see [Note: torch's loop helpers inside the context]
         runtime.register_hooks()
         handle.reset_stats()
         if optimizer is not None and getattr(getattr(model, "config", None), "use_cache", None) is True:

@@ -30,6 +30,9 @@ is open:
 - `DistributedDataParallel(model)` of such a model raises: the tiers already shard it across the ranks and
   average its gradients, and DDP's gradient hooks would meet placeholders (before, backward failed with
   "invalid gradient ... expected shape compatible with [0]").
+- Any context, training or not: another optimizer's step() on its model's parameters (one built inside the
+  context, as HF Trainer builds its own when not handed one) raises, naming the optimizer to pass. Its step
+  would see the tiers' placeholders: it updated nothing, silently, or failed on their size.
 - Everything is put back when the last such context ends.
 - Under several ranks each unit is gathered from every rank, so `model.state_dict()` (below) is called on
   every rank, as `tm.save_checkpoint` is.
@@ -54,6 +57,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad as _clip_module
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tiermem.errors import OffloadError
 
@@ -245,8 +249,38 @@ def _install(functions: dict[str, Callable[..., Any]]) -> None:
         sys.meta_path.insert(0, _on_import)
 
 
+_managed: dict[int, Any] = {}  # id(parameter) -> the OffloadHandle holding it, for every open context
+_step_hook: list[Any] = []  # the global optimizer step pre-hook's handle, while a context is open
+
+
+def _foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torch's global optimizer step pre-hook while a context is open: an optimizer other than the one the
+    context trains with, holding its model's parameters, would step the tiers' empty placeholders (nothing is
+    updated, or torch fails on their size): refused with the fix named."""
+    tm = next((_managed[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in _managed), None)
+    if tm is None or (tm.optimizer is not None and optimizer is tm.optimizer):
+        return
+    name, model = type(optimizer).__name__, type(tm.model).__name__
+    why = (f"{name}.step(): this optimizer holds parameters of the {model} under tiered_offload, whose values and "
+           "gradients live in its tiers, so its step would update nothing; ")
+    if tm.optimizer is not None:
+        raise OffloadError(why + "the context trains with the optimizer it was given (tiered_offload(..., "
+                           "optimizer=opt)): step that one (HF Trainer: Trainer(..., optimizers=(opt, None)))")
+    raise OffloadError(why + "the context was entered without an optimizer, so it does not train: build the "
+                       "optimizer before the context and pass it, tiered_offload(model, ..., optimizer=opt) (HF "
+                       "Trainer: and Trainer(..., optimizers=(opt, None)))")
+
+
 def enter(tm: Any) -> None:
-    """A context training `tm.model` began: torch's clipping and GradScaler hand its parameters to it."""
+    """A context began: another optimizer's step on its parameters is refused; and when it trains `tm.model`,
+    torch's clipping and GradScaler hand its parameters to it."""
+    for u in tm.units:
+        for _, p in u.params:
+            _managed[id(p)] = tm
+    if not _step_hook:
+        _step_hook.append(register_optimizer_step_pre_hook(_foreign_step))
+    if tm.optimizer is None:
+        return
     for _, p, _ in (x for st in tm.optimizer.units for x in st.trainable):
         _owner[id(p)] = tm
     _optimizers[id(tm.optimizer)] = _optimizers[id(tm.optimizer.original)] = tm
@@ -256,6 +290,10 @@ def enter(tm: Any) -> None:
 
 def leave(tm: Any) -> None:
     """That context ended: its parameters are torch's again, and with the last context so are the functions."""
+    for key in [k for k, owner in _managed.items() if owner is tm]:
+        del _managed[key]
+    if not _managed and _step_hook:
+        _step_hook.pop().remove()
     if tm not in _handles:
         return
     _handles.remove(tm)
