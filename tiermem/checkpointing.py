@@ -236,7 +236,8 @@ def _trainer_state(src: CheckpointContents) -> dict[str, Any]:
         saved["params"] = [name_of[id(p)] for p in group["params"]]
         groups.append(saved)
     return {"format": FORMAT, "optimizer": opt.kind.__name__, "param_groups": groups,
-            "state_kinds": opt.state_kinds(), "steps": opt.step_counts(), "loss_scale": opt.loss_scale_state()}
+            "state_kinds": opt.state_kinds(), "steps": opt.step_counts(), "scalars": opt.scalar_state(),
+            "loss_scale": opt.loss_scale_state()}
 
 
 def _param_names(src: CheckpointContents) -> dict[int, str]:
@@ -811,7 +812,12 @@ def _check_trainer_state(src: CheckpointContents, saved: Any, path: str) -> None
             isinstance(scale.get(k), int | float) and not isinstance(scale.get(k), bool) and math.isfinite(scale[k])
             for k in ("scale", "good_steps", "skipped_steps"))):
         raise malformed("'loss_scale' is not an object with finite scale, good_steps and skipped_steps")
-    unknown = sorted(set(steps) - set(opt.trained()))
+    scalars = saved.get("scalars", {})  # absent before NAdam and ASGD were supported
+    if not isinstance(scalars, dict) or not all(
+            isinstance(kept, dict) and all(isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+                                           and math.isfinite(v) for k, v in kept.items()) for kept in scalars.values()):
+        raise malformed("'scalars' is not an object of per-parameter objects of finite numbers")
+    unknown = sorted((set(steps) | set(scalars)) - set(opt.trained()))
     if unknown:
         raise CheckpointError(f"{path}: step counts for {unknown[:5]}, which this optimizer does not train; it was "
                               "saved from another model or with other param groups")
@@ -866,6 +872,7 @@ def _load(src: CheckpointContents, checked: _Checked) -> None:
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
     opt.load_loss_scale_state(saved.get("loss_scale"))
     opt.load_step_counts(saved["steps"])
+    opt.load_scalar_state(saved.get("scalars", {}))
     by_unit: dict[int, list[StateTensor]] = {}
     for t in opt.state_tensors():
         by_unit.setdefault(t.unit, []).append(t)

@@ -38,7 +38,7 @@ _LOOP = {  # top-level keys that are the training loop's business under tiermem
     "train_micro_batch_size_per_gpu": "the batch size is your data loader's",
     "gradient_accumulation_steps": "call backward that many times before tm.optimizer.step() (exact, any number)",
     "gradient_clipping": "call tm.clip_grad_norm_({v}) before tm.optimizer.step()",
-    "optimizer": "build the torch.optim optimizer yourself (AdamW, Adam or SGD) and pass it as optimizer=",
+    "optimizer": "build the torch.optim optimizer yourself (AdamW, Adam, SGD, RMSprop, ...) and pass it as optimizer=",
     "scheduler": "attach a torch.optim.lr_scheduler to tm.optimizer",
     "steps_per_print": "no periodic printing: read tm.stats()",
     "wall_clock_breakdown": "use trace.path or tm.trace(path) for a timeline",

@@ -32,7 +32,7 @@ from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadErr
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.bandwidth import path_weights
 from tiermem.io.engine import IOEngine
-from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer, loop_helpers
+from tiermem.optim import TieredOptimizer, loop_helpers, unsupported
 from tiermem.quant import Quantization
 from tiermem.runtime.runtime import Runtime
 from tiermem.runtime.safetensors_io import SafetensorsCheckpoint
@@ -338,7 +338,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             values). False leaves them on the meta device (for a model too large to hold in RAM).
         prefetch: False turns off execution-order prefetch (every unit is read when needed).
         engine: an I/O engine to share instead of building one from the io.* settings.
-        optimizer: a torch.optim.AdamW, Adam or SGD built on the model's parameters, to train: gradients
+        optimizer: a torch.optim optimizer built on the model's parameters (AdamW, Adam, SGD, or another
+            elementwise one: `SUPPORTED_OPTIMIZERS` in tiermem/optim/optimizer.py), to train: gradients
             then leave the device unit by unit and the state lives in optimizer.tier; use `tm.optimizer`
             (calling the original's step()/zero_grad() inside the context does the same).
         restore_optimizer: on exit, also copy the optimizer state into `optimizer` (in host memory, so
@@ -360,10 +361,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         if getattr(mod, _ATTR, None) is not None:
             raise OffloadError(f"submodule {name!r} of {type(model).__name__} is already inside tiered_offload; "
                                "offload the whole model once instead")
-    if optimizer is not None and type(optimizer) not in SUPPORTED_OPTIMIZERS:
-        names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
-        raise OffloadError(f"optimizer: {type(optimizer).__name__} is not supported under tiered_offload; use one "
-                           f"of {names}")
+    refused = unsupported(optimizer) if optimizer is not None else None
+    if refused is not None:
+        raise OffloadError(refused)
     ranks = Ranks.of(process_group).for_entry()
     if ranks.sharded and restore_optimizer:
         raise OffloadError("restore_optimizer=True with several ranks: each rank holds only its chunks of the "

@@ -108,7 +108,7 @@ from tiermem.offload import (
     _unit_specs,
     choose_path_weights,
 )
-from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer
+from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer, unsupported
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.wrap import WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size, parse_size
@@ -121,7 +121,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Fix", "Plan", "SwapPath", "plan"]
 
 TIERS = ("device", "host", "nvme")
-OPTIMIZER_NAMES = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+OPTIMIZER_NAMES = {c.__name__.lower(): c for c in SUPPORTED_OPTIMIZERS}
 
 
 @dataclass
@@ -427,9 +427,9 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
     Args:
         model: any nn.Module, on the CPU or the meta device; nothing of it is copied or moved.
         config: what `tiered_offload` takes (YAML path, mapping, Config or None).
-        optimizer: a torch.optim.AdamW, Adam or SGD built on the model's parameters, or one of their names
-            (``"adamw"``, ``"adam"``, ``"sgd"``: one param group with that optimizer's defaults); None plans
-            inference.
+        optimizer: a torch.optim optimizer that tiered_offload takes, built on the model's parameters, or its
+            class's name in lower case (``"adamw"``, ``"sgd"``, ``"rmsprop"``, ...: `OPTIMIZER_NAMES`, one
+            param group with that optimizer's defaults; SGD with momentum 0.9); None plans inference.
         batch: what a step feeds the model, to estimate the activations a training pass saves: a tensor, a
             tuple of tensors, a dict of keyword tensors, or a shape such as ``(2, 128)`` for ``input_ids``.
             The forward runs on fake tensors (shapes without data: no bytes).
@@ -578,18 +578,18 @@ class _Training:
 
 def _optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | str | None) -> torch.optim.Optimizer | None:
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-        if optimizer is not None and type(optimizer) not in SUPPORTED_OPTIMIZERS:
-            names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
-            raise OffloadError(f"optimizer: {type(optimizer).__name__} is not supported under tiered_offload; use "
-                               f"one of {names}")
+        refused = unsupported(optimizer) if optimizer is not None else None
+        if refused is not None:
+            raise OffloadError(refused)
         return optimizer
     kind = OPTIMIZER_NAMES.get(str(optimizer).lower())
     if kind is None:
         raise OffloadError(f"optimizer: expected one of {', '.join(OPTIMIZER_NAMES)} or a torch.optim optimizer, got "
                            f"{optimizer!r}")
     params = [p for p in model.parameters() if p.requires_grad]
-    # an optimizer made on the parameters keeps no state until its first step: nothing is allocated
-    return kind(params, lr=1e-3) if kind is not torch.optim.SGD else kind(params, lr=1e-3, momentum=0.9)
+    opt = kind(params, lr=1e-3, momentum=0.9) if kind is torch.optim.SGD else kind(params)
+    opt.state.clear()  # most keep no state until their first step; Adagrad makes its sums at once: not kept
+    return opt
 
 
 def _training(opt: torch.optim.Optimizer, units: list[Any], swapper: Any, override: torch.dtype | None,

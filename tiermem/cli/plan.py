@@ -11,6 +11,10 @@ from typing import Any
 from tiermem.cli.config_cmd import _parse_set
 from tiermem.errors import ConfigError
 
+# tiermem.planning.OPTIMIZER_NAMES, without importing torch to parse arguments (a test keeps the two equal)
+OPTIMIZER_CHOICES = ("adamw", "adam", "sgd", "rmsprop", "adagrad", "adadelta", "adamax", "nadam", "radam", "rprop",
+                     "asgd")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="bytes per tier, whether it fits, and a step-time bound, before running",
@@ -23,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "2x128, to estimate the activations a training step saves")
     p.add_argument("--generate", default=None, metavar="BxP+N", help="plan generate() of N new tokens for B prompts "
                    "of P tokens, e.g. 32x128+32: the KV cache's bytes per tier and each decoding step's bounds")
-    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], default=None,
+    p.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default=None,
                    help="plan training with this optimizer (default: inference)")
     p.add_argument("--set", action="append", type=_parse_set, metavar="KEY=VALUE",
                    help="override one config key, e.g. --set memory.host_budget=8GiB (repeatable)")

@@ -13,6 +13,7 @@ from typing import Any
 
 from tiermem.cli.bench import make_writable_dirs
 from tiermem.cli.config_cmd import _parse_set
+from tiermem.cli.plan import OPTIMIZER_CHOICES
 from tiermem.cli.progress import ProgressBar
 from tiermem.errors import BenchArgError, ConfigError
 from tiermem.io.backends import BACKENDS
@@ -46,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, metavar="FILE", help="swap-config to start from (default: defaults)")
     p.add_argument("--set", action="append", type=_parse_set, metavar="KEY=VALUE",
                    help="override one key of the starting config, e.g. --set memory.host_budget=8GiB")
-    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], default=None,
+    p.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default=None,
                    help="with --model: plan training with this optimizer (default: inference)")
     p.add_argument("--batch", default=None, metavar="BxT", help="with --model: batch x sequence length, e.g. 2x128")
     p.add_argument("--out", default="tiermem.yaml", metavar="FILE", help="the swap-config to write (tiermem.yaml)")

@@ -1,4 +1,4 @@
-"""TieredOptimizer: torch.optim.AdamW/Adam/SGD whose gradients and states live in tiers, not on the device.
+"""TieredOptimizer: a torch.optim optimizer whose gradients and states live in tiers, not on the device.
 
 # [Note: training state per unit]
 For every unit with trainable parameters there are up to three partitions, each laid out in the same
@@ -8,15 +8,14 @@ contiguous range in each of them:
   parameters are fp32;
 - the gradient accumulators, fp32 (home `grads.tier`): a unit's gradients are added here as soon as
   autograd has accumulated them, and the device copy is dropped;
-- the optimizer state (home `optimizer.tier`): exp_avg / exp_avg_sq (Adam, AdamW; max_exp_avg_sq with
-  amsgrad) or momentum_buffer (SGD with momentum), and fp32 master weights when the parameters are
-  bfloat16/float16.
+- the optimizer state (home `optimizer.tier`): what the optimizer keeps per element (exp_avg / exp_avg_sq
+  for Adam and AdamW, max_exp_avg_sq with amsgrad; momentum_buffer for SGD with momentum; square_avg for
+  RMSprop; ...), and fp32 master weights when the parameters are bfloat16/float16.
 Updating walks the units in order: while unit i is updated on the CPU, unit i+1's partitions are being
-read and unit i-1's written back (when: see [Note: lazy update]). The update itself is PyTorch's own
-functional adam/sgd, called on the flat fp32 range of each param group (one vectorised kernel per group
-and unit), so its arithmetic is PyTorch's. A param group whose parameters did not all get a gradient, or
-whose step counts differ, is updated tensor by tensor instead, exactly as torch skips parameters without
-a gradient.
+read and unit i-1's written back (when: see [Note: lazy update]). The update itself is the user's optimizer
+class stepping the flat fp32 range of each param group (see [Note: which optimizers]), so its arithmetic is
+PyTorch's. A param group whose parameters did not all get a gradient, or whose step counts or scalars
+differ, is updated tensor by tensor instead, exactly as torch skips parameters without a gradient.
 
 # [Note: lazy update]
 With `optimizer.update: lazy` (the default) `step()` updates nothing: it records, for each unit with
@@ -41,6 +40,7 @@ unit's accumulators are given back as soon as its update is applied.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -49,8 +49,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.adam import adam as adam_update
-from torch.optim.sgd import sgd as sgd_update
 
 from tiermem.device import check_host
 from tiermem.distributed import Reducing, finish_scatter_sum, start_scatter_sum
@@ -63,7 +61,81 @@ from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+# [Note: which optimizers]
+# An update here runs the user's own optimizer class (`_apply`) on one flat range of many parameters at once,
+# in pieces of `_CHUNK` elements. That is the arithmetic torch would do parameter by parameter only when the
+# update is elementwise: each element's new value and state depend on that element alone, plus per-parameter
+# scalars (a step count, NAdam's mu_product, ASGD's eta and mu) that are equal across the range. These
+# torch.optim classes are. Adafactor's state is a row and a column per matrix, LBFGS and Muon look at whole
+# tensors, SparseAdam takes sparse gradients: flattened, they would compute something else, so they are refused.
+SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.RMSprop,
+                        torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam,
+                        torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD)
+_NOT_ELEMENTWISE = {
+    "Adafactor": "its state is a row and a column of statistics per matrix, which depend on each parameter's shape",
+    "LBFGS": "it keeps a history over all parameters at once and re-evaluates the model in a closure",
+    "Muon": "it orthogonalizes each matrix's update as a whole",
+    "SparseAdam": "it takes sparse gradients",
+}
+_CHUNK = 1 << 20  # elements per call of the optimizer: bounds its temporaries (4 MiB each in fp32)
+
+
+def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why this optimizer cannot train under tiered_offload, with the fix; None when it can."""
+    kind = type(optimizer)
+    if kind in SUPPORTED_OPTIMIZERS:
+        return None
+    names = ", ".join(c.__name__ for c in SUPPORTED_OPTIMIZERS)
+    why = _NOT_ELEMENTWISE.get(kind.__name__) if kind.__module__.startswith("torch.optim") else None
+    because = f" ({why})" if why else ""
+    return (f"optimizer: {kind.__module__}.{kind.__name__} is not supported under tiered_offload{because}; use one of "
+            f"torch.optim's {names} (see [Note: which optimizers] in tiermem/optim/optimizer.py)")
+
+
+def _settings(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's settings as the update passes them: the update runs on host tensors outside autograd
+    and outside CUDA graphs, so never differentiable or capturable."""
+    out = {k: v for k, v in group.items() if k != "params"}
+    for key in ("capturable", "differentiable"):
+        if key in out:
+            out[key] = False
+    return out
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return float(v)
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    return v if isinstance(v, (int, float, bool, str, type(None))) else repr(v)
+
+
+@functools.lru_cache(maxsize=256)
+def _probe(kind: Any, key: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, ...], tuple[tuple[str, torch.dtype], ...]]:
+    """The state `kind` keeps per parameter with these settings, found by stepping it twice on a small tensor:
+    (elementwise kinds, each the parameter's shape; per-parameter scalars with their dtypes), in torch's order."""
+    p = torch.zeros(2)
+    opt = kind([{**dict(key), "params": [p]}])
+    for _ in range(2):
+        p.grad = torch.ones(2)
+        _step_without_hooks(opt)
+    kinds, scalars = [], []
+    for name, v in opt.state[p].items():
+        if isinstance(v, torch.Tensor) and v.shape == p.shape:
+            kinds.append(name)
+        elif isinstance(v, torch.Tensor) and v.dim() == 0:
+            scalars.append((name, v.dtype))
+        elif v is not None:
+            raise OptimizerError(f"optimizer: {kind.__name__} keeps {name!r} of type {type(v).__name__} per parameter, "
+                                 "which tiered_offload cannot keep in tiers")
+    return tuple(kinds), tuple(scalars)
+
+
+def _state_of(kind: Any, group: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, torch.dtype]]:
+    """What `_probe` says of one param group (its settings decide, e.g. amsgrad or momentum)."""
+    settings = _settings(group)
+    kinds, scalars = _probe(kind, tuple(sorted((k, _hashable(v)) for k, v in settings.items())))
+    return kinds, dict(scalars)
 
 
 @dataclass
@@ -92,6 +164,8 @@ class UnitOptimState:
     state: Partition | None
     ranges: list[GroupRange]
     steps: dict[str, int] = field(default_factory=dict)  # optimizer steps taken per parameter
+    # per-parameter scalar state other than the step count (NAdam's mu_product, ASGD's eta and mu)
+    scalars: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     has_grad: set[str] = field(default_factory=set)  # parameters with a gradient since zero_grad
     grads_held: bool = False  # the accumulators are acquired for the backward in progress
     on_device: dict[str, torch.Tensor] = field(default_factory=dict)  # fresh gradients still in device memory
@@ -109,7 +183,7 @@ class StateTensor:
 
 
 class TieredOptimizer(torch.optim.Optimizer):
-    """Stands in for the user's AdamW/Adam/SGD inside `tiered_offload` (`tm.optimizer`).
+    """Stands in for the user's optimizer (one of `SUPPORTED_OPTIMIZERS`) inside `tiered_offload` (`tm.optimizer`).
 
     `param_groups` are the original optimizer's own dicts, so changing an lr (by hand or with a
     torch.optim.lr_scheduler) takes effect. `step()`, `zero_grad()`, `state_dict()` and
@@ -119,16 +193,15 @@ class TieredOptimizer(torch.optim.Optimizer):
     def __init__(self, original: torch.optim.Optimizer, units: list[Unit], swapper: TensorSwapper,
                  mixed: bool, loss_scaling: bool = False, on_record: Callable[[], None] | None = None,
                  model_order: Iterable[nn.Parameter] = ()) -> None:
-        if type(original) not in SUPPORTED_OPTIMIZERS:
-            names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
-            raise OptimizerError(f"optimizer: {type(original).__module__}.{type(original).__name__} is not supported "
-                                 f"under tiered_offload; use one of {names}")
+        refused = unsupported(original)
+        if refused is not None:
+            raise OptimizerError(refused)
         super().__init__([{**g, "params": list(g["params"])} for g in original.param_groups], original.defaults)
         self.original = original  # whose param_groups are ours from now on (see `param_groups`)
         # each parameter's place in model.parameters(), the order torch's clip_grad_norm_ stacks the norms in (a
         # unit's partitions hold the parameters by param group: see offload's [Note: training state per unit])
         self.model_rank = {id(p): i for i, p in enumerate(model_order)}
-        self.kind = type(original)
+        self.kind: Any = type(original)  # one of SUPPORTED_OPTIMIZERS, whose constructors take settings by name
         self.swapper = swapper
         self.mixed = mixed  # parameters are bf16/fp16: keep fp32 master weights in the state partition
         self._clip_scale: float | None = None  # clip_grad_norm_'s factor, applied to gradients at step
@@ -261,14 +334,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         return grad_specs, state_specs
 
     def state_kinds(self) -> list[str]:
-        """The kinds of state kept per parameter, in the order of the state partition's slots."""
+        """The kinds of state kept per parameter, in the order of the state partition's slots: what the optimizer
+        keeps elementwise for any of its param groups (exp_avg and exp_avg_sq for Adam, momentum_buffer for SGD
+        with momentum, ...; see `_probe`), then fp32 master weights for bf16/fp16 parameters."""
         kinds: list[str] = []
-        if self.kind in (torch.optim.Adam, torch.optim.AdamW):
-            kinds = ["exp_avg", "exp_avg_sq"]
-            if any(g.get("amsgrad") for g in self.param_groups):
-                kinds.append("max_exp_avg_sq")
-        elif any(g.get("momentum", 0) for g in self.param_groups):
-            kinds = ["momentum_buffer"]
+        for group in self.param_groups:
+            kinds += [k for k in _state_of(self.kind, group)[0] if k not in kinds]
         if self.mixed:
             kinds.append("master")
         return kinds
@@ -779,53 +850,79 @@ class TieredOptimizer(torch.optim.Optimizer):
         live = [f for f in rng.fqns if f in fqns]
         if not live:
             return
-        steps = {st.steps.get(f, 0) for f in live}
-        if len(live) == len(rng.fqns) and len(steps) == 1:
+        alike = {(f in st.steps, st.steps.get(f, 0), _values(st.scalars.get(f, {}))) for f in live}
+        if len(live) == len(rng.fqns) and len(alike) == 1:
             batches = [rng.fqns]  # the whole range at once, as one flat tensor per kind
         else:
             batches = [[f] for f in live]
+        kinds = _state_of(self.kind, group)[0]
         for batch in batches:
             target = state if self.mixed else params
             prefix = "master." if self.mixed else ""
-            p = _flat(target, [prefix + f for f in batch])
-            g = _flat(grads, batch)
-            step = st.steps.get(batch[0], 0)
-            new_step = self._apply(group, p, g, {k: _flat(state, [f"{k}.{f}" for f in batch])
-                                                 for k in self.state_kinds() if k != "master"}, step)
+            first = batch[0]
+            scalars = self._scalars(st, first, group) if first in st.steps else None
+            out = self._apply(group, _flat(target, [prefix + f for f in batch]), _flat(grads, batch),
+                              {k: _flat(state, [f"{k}.{f}" for f in batch]) for k in kinds}, scalars)
+            extra = {k: v for k, v in out.items() if k != "step"}
             for f in batch:
-                st.steps[f] = new_step
+                st.steps[f] = st.steps.get(f, 0) + 1
+                if extra:
+                    st.scalars[f] = extra
             if self.mixed:
                 for f in batch:
                     params[f].copy_(state[f"master.{f}"])
 
-    def _apply(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor],
-               step: int) -> int:
-        """PyTorch's own update on one flat range; returns the new step count. The kernel is the one the user's
-        optimizer would run: fused when it was built with fused=True, else the single-tensor one (the same
-        arithmetic as foreach, and for one flat range just as fast). Hyperparameters go in as torch.optim passes
-        them: a tensor lr stays a tensor, because torch's kernels compute with it in its dtype, not with its
-        Python value."""
-        fused = True if group.get("fused") else None
-        if self.kind is torch.optim.SGD:
-            momentum = group.get("momentum", 0)
-            buf: list[torch.Tensor | None] = [st["momentum_buffer"] if step > 0 and momentum else None]
-            sgd_update([p], [g], buf, weight_decay=group["weight_decay"], momentum=momentum,
-                                lr=group["lr"], dampening=group.get("dampening", 0),
-                                nesterov=group.get("nesterov", False), maximize=group.get("maximize", False),
-                                foreach=False, fused=fused)
-            if momentum and step == 0 and buf[0] is not None:
-                st["momentum_buffer"].copy_(buf[0])
-            return step + 1
-        step_t = torch.tensor(float(step))
-        beta1, beta2 = group["betas"]
-        adam_update(
-            [p], [g], [st["exp_avg"]], [st["exp_avg_sq"]],
-            [st["max_exp_avg_sq"]] if group.get("amsgrad") else [], [step_t],
-            foreach=False, fused=fused, capturable=False, differentiable=False, has_complex=False,
-            decoupled_weight_decay=group.get("decoupled_weight_decay", self.kind is torch.optim.AdamW),
-            amsgrad=group.get("amsgrad", False), beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False))
-        return int(step_t.item())
+    def _scalars(self, st: UnitOptimState, fqn: str, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """One parameter's scalar state as torch's optimizer keeps it: its step count as a tensor (for those
+        that count) and the rest as kept (`UnitOptimState.scalars`); copies, which the update may change."""
+        out = {k: v.clone() for k, v in st.scalars.get(fqn, {}).items()}
+        dtype = _state_of(self.kind, group)[1].get("step")
+        if dtype is not None:
+            out = {"step": torch.tensor(float(st.steps[fqn]), dtype=dtype), **out}
+        return out
+
+    def _apply(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor],
+               scalars: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The user's optimizer's own step on one flat range, in pieces of `_CHUNK` elements (see [Note: which
+        optimizers]): its class, with the recorded settings (foreach and fused as the user chose, a tensor lr a
+        tensor, because torch's kernels compute with it in its dtype), so the kernels are the ones it would run.
+        `state` holds the range's elementwise state, changed in place; `scalars` the per-parameter scalars
+        before the step, or None for a first step, where the optimizer makes its state as torch's would (an
+        Adagrad's initial sum, an SGD momentum that starts as the gradient), copied into `state` afterwards.
+        Returns the scalars after the step."""
+        settings = _settings(group)
+        after: dict[str, torch.Tensor] = {}
+        for lo in range(0, p.numel(), _CHUNK):
+            piece = slice(lo, min(p.numel(), lo + _CHUNK))
+            pc, views = p[piece], {k: t[piece] for k, t in state.items()}
+            if scalars is None:
+                opt = self.kind([{**settings, "params": [pc]}])
+            else:
+                opt = self._scratch(settings, pc)
+                opt.state[pc] = {**{k: v.clone() for k, v in scalars.items()}, **views}
+            pc.grad = g[piece]
+            try:
+                _step_without_hooks(opt)
+            finally:
+                pc.grad = None
+                new = opt.state.pop(pc, {})
+                opt.param_groups[0]["params"] = []  # the kept instance holds no view of the pool past the step
+            for k, v in views.items():
+                t = new.get(k)
+                if isinstance(t, torch.Tensor) and t.data_ptr() != v.data_ptr():
+                    v.copy_(t)
+            after = {k: v for k, v in new.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+        return after
+
+    def _scratch(self, settings: dict[str, Any], p: torch.Tensor) -> torch.optim.Optimizer:
+        """An instance of the user's optimizer class that steps one range at a time, made once."""
+        opt = self.__dict__.get("_scratch_opt")
+        if opt is None:
+            opt = self.__dict__["_scratch_opt"] = self.kind([{**settings, "params": [p]}])
+            opt.state.clear()  # Adagrad makes state in its constructor: the caller puts the range's there
+        else:
+            opt.param_groups[0] = {**settings, "params": [p]}
+        return opt
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -847,7 +944,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         """The state in torch.optim's format (parameters numbered as in the original optimizer)."""
         self.flush()
         state: dict[int, dict[str, Any]] = {}
-        kinds = [k for k in self.state_kinds() if k != "master"]
         for st in self.units:
             if not st.steps:
                 continue
@@ -856,12 +952,11 @@ class TieredOptimizer(torch.optim.Optimizer):
                 for fqn, p, g in st.trainable:
                     if fqn not in st.steps:
                         continue
-                    if self.kind is torch.optim.SGD and not self.param_groups[g].get("momentum", 0):
-                        continue  # torch keeps no state for plain SGD
-                    entry: dict[str, Any] = {k: views[f"{k}.{fqn}"].clone() for k in kinds}
-                    if self.kind is not torch.optim.SGD:
-                        entry["step"] = torch.tensor(float(st.steps[fqn]))
-                    state[self.index_of[id(p)]] = entry
+                    group = self.param_groups[g]
+                    entry: dict[str, Any] = {**self._scalars(st, fqn, group),
+                                             **{k: views[f"{k}.{fqn}"].clone() for k in _state_of(self.kind, group)[0]}}
+                    if entry:  # torch keeps none for plain SGD
+                        state[self.index_of[id(p)]] = entry
             finally:
                 if st.state is not None:
                     self.swapper.release(st.state)
@@ -882,24 +977,44 @@ class TieredOptimizer(torch.optim.Optimizer):
         for saved, group in zip(groups, self.param_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
-        kinds = [k for k in self.state_kinds() if k != "master"]
         for st in self.units:
             if not st.steps and not any(self.index_of[id(p)] in saved_state for _, p, _ in st.trainable):
                 continue  # nothing held, nothing to load: its state is not read (and written) for nothing
             views = self.swapper.acquire(st.state, Tier.HOST) if st.state is not None else {}
             try:
-                for fqn, p, _ in st.trainable:
+                for fqn, p, g in st.trainable:
                     entry = saved_state.get(self.index_of[id(p)])
+                    st.scalars.pop(fqn, None)
                     if entry is None:
                         st.steps.pop(fqn, None)
                         continue
+                    kinds, scalar_kinds = _state_of(self.kind, self.param_groups[g])
                     for k in kinds:
                         if entry.get(k) is not None:
                             views[f"{k}.{fqn}"].copy_(entry[k])
                     st.steps[fqn] = int(entry["step"]) if "step" in entry else st.steps.get(fqn, 0) + 1
+                    extra = {k: torch.as_tensor(entry[k], dtype=dtype).detach().clone()
+                             for k, dtype in scalar_kinds.items() if k != "step" and k in entry}
+                    if extra:
+                        st.scalars[fqn] = extra
             finally:
                 if st.state is not None:
                     self.swapper.release(st.state, dirty=True)
+
+    def scalar_state(self) -> dict[str, dict[str, float]]:
+        """Per-parameter scalar state other than step counts (NAdam, ASGD), by parameter name, for checkpoints."""
+        return {fqn: {k: float(v) for k, v in kept.items()} for st in self.units for fqn, kept in st.scalars.items()}
+
+    def load_scalar_state(self, saved: Mapping[str, Mapping[str, float]]) -> None:
+        """Put back what `scalar_state` returned."""
+        for st in self.units:
+            st.scalars = {}
+            for fqn, _, g in st.trainable:
+                dtypes = _state_of(self.kind, self.param_groups[g])[1]
+                kept = {k: torch.tensor(float(v), dtype=dtypes.get(k, torch.float32))
+                        for k, v in saved.get(fqn, {}).items()}
+                if kept:
+                    st.scalars[fqn] = kept
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not hasattr(self, "units"):  # torch's __init__ adds the groups; those are ours already
@@ -917,6 +1032,21 @@ def _flat(views: dict[str, torch.Tensor], names: Iterable[str]) -> torch.Tensor:
     start = first.data_ptr()
     count = (last.data_ptr() + last.numel() * last.element_size() - start) // first.element_size()
     return first.reshape(-1).as_strided((count,), (1,))
+
+
+def _step_without_hooks(opt: torch.optim.Optimizer) -> None:
+    """`opt.step()` without the step hooks torch calls around it: these steps are pieces of the user's one
+    step, whose hooks run once around it (`TieredOptimizer.step`), and a global hook (a profiler's, or
+    tiermem's own refusal of other optimizers) should not see them."""
+    step: Any = type(opt).step
+    raw = step.__wrapped__ if getattr(step, "hooked", False) else step  # torch.optim's profile_hook_step
+    with torch.no_grad():
+        raw(opt)
+
+
+def _values(kept: Mapping[str, torch.Tensor]) -> tuple[tuple[str, float], ...]:
+    """Scalar state as values, to tell which parameters may be updated together."""
+    return tuple(sorted((k, float(v)) for k, v in kept.items()))
 
 
 def _snapshot(group: Mapping[str, Any]) -> dict[str, Any]:
