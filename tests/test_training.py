@@ -253,16 +253,25 @@ def test_budget_too_small_for_a_units_training_state(tmp_path) -> None:
     assert all(p.numel() > 0 for p in model.parameters())
 
 
+MIXED_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "RMSprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.9, centered=True),
+    "NAdam": lambda params: torch.optim.NAdam(params, lr=1e-3),
+}
+
+
 @pytest.mark.parametrize("update", ["lazy", "step"])
-def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path, update: str) -> None:
-    """params.dtype bfloat16 trains 20 steps like the textbook recipe: bf16 compute, fp32 grads and master, AdamW.
+@pytest.mark.parametrize("kind", list(MIXED_OPTIMIZERS))
+def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path, update: str, kind: str) -> None:
+    """params.dtype bfloat16 trains 20 steps like the textbook recipe: bf16 compute, fp32 grads and master, the
+    optimizer on the master weights (AdamW; RMSprop and NAdam, whose state and scalars differ).
 
     The master weights start from the parameters as stored (cast to bfloat16), as when training a bf16 model.
     """
     data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(20)]
     ref = mlp().bfloat16()
     master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
-    ref_opt = torch.optim.AdamW(master, lr=1e-3)
+    ref_opt = MIXED_OPTIMIZERS[kind](master)
     ref_losses = []
     for x, y in data:
         with torch.no_grad():
@@ -276,7 +285,7 @@ def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path,
         ref_opt.step()
         ref_losses.append(float(loss.detach()))
     model = mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = MIXED_OPTIMIZERS[kind](model.parameters())
     with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"params.dtype": "bfloat16",
                                                                   "optimizer.update": update})) as tm:
         losses = run_steps(model, tm.optimizer, data)
