@@ -137,7 +137,7 @@ def test_the_planners_names_and_the_clis_choices_are_the_supported_optimizers() 
     assert list(OPTIMIZER_CHOICES) == list(OPTIMIZER_NAMES)
 
 
-@pytest.mark.parametrize(("name", "kinds"), [("rmsprop", 1), ("adamax", 2), ("rprop", 2), ("sgd", 1)])
+@pytest.mark.parametrize(("name", "kinds"), [("rmsprop", 1), ("adamax", 2), ("rprop", 2), ("sgd", 1), ("adagrad", 1)])
 def test_a_plan_counts_each_optimizers_own_state(tmp_path, name: str, kinds: int) -> None:
     """`plan(..., optimizer=NAME)` holds as many fp32 tensors per parameter as that optimizer keeps, and a plan
     made with the optimizer itself (RMSprop centered, with momentum: three) equals what entry plans."""

@@ -819,7 +819,7 @@ def _check_trainer_state(src: CheckpointContents, saved: Any, path: str) -> None
         raise malformed("'scalars' is not an object of per-parameter objects of finite numbers")
     unknown = sorted((set(steps) | set(scalars)) - set(opt.trained()))
     if unknown:
-        raise CheckpointError(f"{path}: step counts for {unknown[:5]}, which this optimizer does not train; it was "
+        raise CheckpointError(f"{path}: optimizer state for {unknown[:5]}, which this optimizer does not train; it was "
                               "saved from another model or with other param groups")
 
 

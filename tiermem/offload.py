@@ -361,7 +361,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         if getattr(mod, _ATTR, None) is not None:
             raise OffloadError(f"submodule {name!r} of {type(model).__name__} is already inside tiered_offload; "
                                "offload the whole model once instead")
-    refused = unsupported(optimizer) if optimizer is not None else None
+    refused = unsupported(optimizer)
     if refused is not None:
         raise OffloadError(refused)
     ranks = Ranks.of(process_group).for_entry()

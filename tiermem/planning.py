@@ -578,7 +578,7 @@ class _Training:
 
 def _optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | str | None) -> torch.optim.Optimizer | None:
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-        refused = unsupported(optimizer) if optimizer is not None else None
+        refused = unsupported(optimizer)
         if refused is not None:
             raise OffloadError(refused)
         return optimizer
@@ -586,9 +586,12 @@ def _optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | str | None) 
     if kind is None:
         raise OffloadError(f"optimizer: expected one of {', '.join(OPTIMIZER_NAMES)} or a torch.optim optimizer, got "
                            f"{optimizer!r}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = kind(params, lr=1e-3, momentum=0.9) if kind is torch.optim.SGD else kind(params)
-    opt.state.clear()  # most keep no state until their first step; Adagrad makes its sums at once: not kept
+    # made on a placeholder, then given the parameters: Adagrad's constructor would allocate its sums, a copy of
+    # the model, where planning allocates nothing
+    placeholder = [torch.empty(0, device="meta")]
+    opt = kind(placeholder, lr=1e-3, momentum=0.9) if kind is torch.optim.SGD else kind(placeholder)
+    opt.state.clear()
+    opt.param_groups[0]["params"] = [p for p in model.parameters() if p.requires_grad]
     return opt
 
 

@@ -80,10 +80,10 @@ _NOT_ELEMENTWISE = {
 _CHUNK = 1 << 20  # elements per call of the optimizer: bounds its temporaries (4 MiB each in fp32)
 
 
-def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why this optimizer cannot train under tiered_offload, with the fix; None when it can."""
+def unsupported(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """Why this optimizer cannot train under tiered_offload, with the fix; None when it can (or is None)."""
     kind = type(optimizer)
-    if kind in SUPPORTED_OPTIMIZERS:
+    if optimizer is None or kind in SUPPORTED_OPTIMIZERS:
         return None
     names = ", ".join(c.__name__ for c in SUPPORTED_OPTIMIZERS)
     why = _NOT_ELEMENTWISE.get(kind.__name__) if kind.__module__.startswith("torch.optim") else None
@@ -991,7 +991,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                     kinds, scalar_kinds = _state_of(self.kind, self.param_groups[g])
                     for k in kinds:
                         if entry.get(k) is not None:
-                            views[f"{k}.{fqn}"].copy_(entry[k])
+                            _load_into(views[f"{k}.{fqn}"], entry[k], st.unit.ranks)
                     st.steps[fqn] = int(entry["step"]) if "step" in entry else st.steps.get(fqn, 0) + 1
                     extra = {k: torch.as_tensor(entry[k], dtype=dtype).detach().clone()
                              for k, dtype in scalar_kinds.items() if k != "step" and k in entry}
@@ -1042,6 +1042,15 @@ def _step_without_hooks(opt: torch.optim.Optimizer) -> None:
     raw = step.__wrapped__ if getattr(step, "hooked", False) else step  # torch.optim's profile_hook_step
     with torch.no_grad():
         raw(opt)
+
+
+def _load_into(view: torch.Tensor, value: torch.Tensor, ranks: Any) -> None:
+    """Copy a loaded state tensor into its slot: with several ranks a slot holds this rank's chunk, and a
+    whole tensor (the user's optimizer's state at entry, an in-memory state_dict) gives it its part."""
+    if ranks.sharded and value.shape != view.shape:
+        ranks.keep_mine(value, view.reshape(-1))
+    else:
+        view.copy_(value)
 
 
 def _values(kept: Mapping[str, torch.Tensor]) -> tuple[tuple[str, float], ...]:
