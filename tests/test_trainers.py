@@ -4,6 +4,7 @@ context] in tiermem/optim/loop_helpers.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -347,10 +348,11 @@ def test_accelerate_imported_inside_the_context_clips_in_the_tiers(tmp_path) -> 
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_wrapping_the_model_in_ddp_inside_the_context_is_an_error_naming_the_fix(tmp_path) -> None:
-    """DistributedDataParallel(model) of a model under tiered_offload raises at once, saying the tiers already
-    shard it and average its gradients and to call the model unwrapped; torch's DDP is put back at exit.
-    Before, backward failed deep in autograd ("invalid gradient ... expected shape compatible with [0]")."""
+def test_wrapping_the_model_in_ddp_without_a_process_group_is_an_error_naming_the_fix(tmp_path) -> None:
+    """DistributedDataParallel(model) of a model under tiered_offload in a process without torch.distributed
+    says to initialise it first (as torch's DDP would, in tiermem's words); torch's DDP is put back at exit.
+    Before wrapping was supported, backward failed deep in autograd ("invalid gradient ... expected shape
+    compatible with [0]")."""
     from torch.nn.parallel import DistributedDataParallel
 
     from tiermem import OffloadError
@@ -358,8 +360,8 @@ def test_wrapping_the_model_in_ddp_inside_the_context_is_an_error_naming_the_fix
     torch_init = DistributedDataParallel.__init__
     model, opt = model_and_optimizer()
     with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
-        with pytest.raises(OffloadError, match=r"DistributedDataParallel\(GPT2LMHeadModel\).*already shards.*"
-                                               r"Call the model itself"):
+        with pytest.raises(OffloadError, match=r"DistributedDataParallel\(GPT2LMHeadModel\): torch.distributed is "
+                                               r"not initialised; call init_process_group"):
             DistributedDataParallel(model)
     assert DistributedDataParallel.__init__ is torch_init
 
@@ -403,3 +405,114 @@ def test_hf_trainer_fine_tunes_lora_on_a_meta_base_as_in_memory(tmp_path, comput
     trained = dict(model.named_parameters())
     lora = [n for n, _ in ref.named_parameters() if "lora_" in n]
     assert lora and [n for n, p in ref.named_parameters() if n in lora and not torch.equal(p, trained[n])] == []
+
+
+def no_dropout(model: nn.Module) -> nn.Module:
+    """Dropout off: each rank draws its own masks, and DDP's and the tiers' runs would draw them differently."""
+    model.config.use_cache = False
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model.train()
+
+
+def _trainer_on_ranks(rank: int, world: int, folder: Path) -> None:
+    """Rank `rank` of test_hf_trainer_under_torchrun_keeps_its_ddp_wrapper_and_trains_as_ddp_in_memory."""
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import Trainer
+
+    from tiermem import OffloadError
+    from tiermem.optim.ddp import TieredDDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", LOCAL_WORLD_SIZE=str(world))  # as torchrun sets
+
+    def train(offloaded: bool) -> tuple[list[Any], dict[str, torch.Tensor], Any]:
+        torch.manual_seed(0)
+        model = no_dropout(models.gpt2())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        args = trainer_args(folder / f"{'tm' if offloaded else 'mem'}{rank}", ddp_backend="gloo")
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, None))
+        if offloaded:
+            with tiered_offload(model, optimizer=opt, **cfg(folder / f"r{rank}")) as tm:
+                trainer.train()
+                assert tm.stats()["gathered_bytes"] > 0  # sharded: each rank holds half of every unit
+        else:
+            trainer.train()
+        logged = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+        return logged, weights(model), trainer.model_wrapped
+
+    want, want_w, ddp = train(False)
+    got, got_w, wrapped = train(True)
+    assert type(ddp) is DistributedDataParallel and type(wrapped) is TieredDDP, (ddp, wrapped)
+    assert isinstance(wrapped, DistributedDataParallel) and wrapped.module is not None
+    assert len(want) == 4 and all(norm > 0.05 for _, norm in want)  # the Trainer clipped at every step
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for n in want_w:
+        torch.testing.assert_close(got_w[n], want_w[n], rtol=0, atol=1e-6, msg=n)
+    with pytest.raises(OffloadError, match="context that has ended"):
+        wrapped(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+    def made_before(offloaded: bool) -> dict[str, torch.Tensor]:  # a torchrun script: DDP(model), then the loop
+        torch.manual_seed(0)
+        model = no_dropout(models.gpt2())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ddp = DistributedDataParallel(model)
+        seeds = [torch.Generator().manual_seed(10 * k + rank) for k in range(3)]
+        batches = [torch.randint(0, 500, (2, 8), generator=g) for g in seeds]
+        context = tiered_offload(model, optimizer=opt, **cfg(folder / f"b{rank}"))
+        with context if offloaded else contextlib.nullcontext():
+            for ids in batches:
+                ddp(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        assert type(ddp) is (TieredDDP if offloaded else DistributedDataParallel)
+        assert ("reducer" in ddp.__dict__) is not offloaded  # its buckets, a copy of the gradients, let go
+        return weights(model)
+
+    want_w, got_w = made_before(False), made_before(True)
+    for n in want_w:
+        torch.testing.assert_close(got_w[n], want_w[n], rtol=0, atol=1e-6, msg=n)
+
+    model, opt = model_and_optimizer()
+    with pytest.raises(OffloadError, match=r"given the DDP wrapper; pass the model itself, tiered_offload\(ddp.module"):
+        tiered_offload(DistributedDataParallel(model), optimizer=opt, **cfg(folder / f"z{rank}")).__enter__()
+    alone = torch.distributed.new_group([rank]) if rank == 0 else torch.distributed.new_group([0])
+    alone = torch.distributed.new_group([1]) if rank == 1 else alone  # every rank makes both groups, in order
+    with tiered_offload(model, optimizer=opt, **cfg(folder / f"x{rank}")) as tm:
+        refusals = {"mixed_precision": dict(mixed_precision=object()), "device_ids": dict(device_ids=["meta"]),
+                    "device_mesh": dict(device_mesh=object()), "process_group": dict(process_group=alone)}
+        for key, kw in refusals.items():
+            with pytest.raises(OffloadError, match=rf"DistributedDataParallel\(GPT2LMHeadModel\).*{key}"):
+                DistributedDataParallel(model, **kw)
+        wrapped = DistributedDataParallel(model, find_unused_parameters=True, bucket_cap_mb=1)
+        with pytest.raises(OffloadError, match="register_comm_hook.*leave the hook out"):
+            wrapped.register_comm_hook(None, lambda state, bucket: None)
+        with pytest.raises(OffloadError, match="join.*uneven inputs"):
+            wrapped.join()
+        with wrapped.no_sync():
+            wrapped(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.sum().backward()
+        assert tm.stats()["gathered_bytes"] > 0
+
+    torch.distributed.destroy_process_group()  # a context entered before the process group: each rank alone
+    model, opt = model_and_optimizer()
+    with tiered_offload(model, optimizer=opt, **cfg(folder / f"y{rank}")):
+        torch.distributed.init_process_group("gloo", init_method=f"file://{folder}/rendezvous-again", rank=rank,
+                                             world_size=world)
+        with pytest.raises(OffloadError, match="entered with one.*enter the context after init_process_group"):
+            DistributedDataParallel(model)
+
+
+def test_hf_trainer_under_torchrun_keeps_its_ddp_wrapper_and_trains_as_ddp_in_memory(tmp_path) -> None:
+    """HF Trainer on 2 ranks (gloo, launched as torchrun launches it) wraps the model in DistributedDataParallel,
+    as accelerate's prepare() does. Under tiered_offload the wrapper is kept, a TieredDDP whose tiers shard the
+    model and average its gradients, and 4 steps of SGD with momentum, clipping and 2-step accumulation end as
+    the same Trainer with torch's DDP in memory: losses and norms to 1e-5, weights to 1e-6 (rounding: the tiers
+    reduce each micro-batch, DDP the accumulated sum). Before, the wrap was refused. DDP's arguments that would
+    change what is computed (mixed_precision, device_mesh, another device or process group), comm hooks and
+    join() are refused naming the fix, as is the wrap of a context entered before the process group began; the
+    wrapper refuses to run once its context has ended. A torchrun script's DDP(model), made before the context,
+    becomes the tiers' at its first forward there, letting its reducer go, and three steps end as torch's DDP in
+    memory (before, DDP's forward failed on a placeholder's size)."""
+    from tests.ranks import run_ranks
+
+    run_ranks(_trainer_on_ranks, 2, tmp_path, timeout_s=120)

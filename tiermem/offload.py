@@ -66,6 +66,7 @@ class OffloadHandle:
         self.activations_why = "activations.tier"  # why saved activations rest where they do (auto's reason)
         self.weights_why = "nvme.path_weights"  # why several nvme.paths are striped as they are (auto's reason)
         self._tracer: Tracer | None = None  # recording a trace (trace.path or tm.trace())
+        self.ranks = Ranks()  # the ranks it shards over (set at entry)
 
     def plan_summary(self) -> str:
         """`plan` in one line: what goes where and why (as logged at entry)."""
@@ -353,6 +354,10 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         an OffloadHandle (`tm`): ``stats()``, ``reset_stats()``, ``gathered()``, and for training
         ``optimizer``, ``backward(loss)``, ``clip_grad_norm_()``, ``save_checkpoint()``, ``load_checkpoint()``.
     """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise OffloadError(f"{type(model).__name__}: tiered_offload was given the DDP wrapper; pass the model "
+                           "itself, tiered_offload(ddp.module, ...), and go on calling the wrapper (inside the context "
+                           "the tiers do its job: see [Note: DDP around an offloaded model] in tiermem/optim/ddp.py)")
     if getattr(model, _ATTR, None) is not None:
         what = "is" if getattr(model, _ATTR).model is model else "belongs to a model that is"
         raise OffloadError(f"{type(model).__name__} {what} already inside tiered_offload; exit that context before "
@@ -400,6 +405,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
         runtime = _place_model(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed, ranks)
         handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
+        handle.ranks = ranks
         handle.activations_why, handle.weights_why = activations_why, weights_why
         for mod in model.modules():  # every submodule too: none of them may enter another context
             setattr(mod, _ATTR, handle)

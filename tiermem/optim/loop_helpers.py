@@ -27,9 +27,9 @@ is open:
   parameters whose `.grad` is set (none, here) and so returned 0 without clipping: it is replaced alike,
   unscaling first as accelerate does. accelerate is not imported for this: if it is not yet when the context
   begins, the replacement is made when it is (transformers imports it with its models or its Trainer).
-- `DistributedDataParallel(model)` of such a model raises: the tiers already shard it across the ranks and
-  average its gradients, and DDP's gradient hooks would meet placeholders (before, backward failed with
-  "invalid gradient ... expected shape compatible with [0]").
+- `DistributedDataParallel(model)` of such a model is kept as the wrapper it is, the tiers doing DDP's job: see
+  [Note: DDP around an offloaded model] in tiermem/optim/ddp.py; so is one made before the context, from its first
+  forward inside it.
 - Any context, training or not: another optimizer's step() on its model's parameters (one built inside the
   context, as HF Trainer builds its own when not handed one) raises, naming the optimizer to pass. Its step
   would see the tiers' placeholders: it updated nothing, silently, or failed on their size.
@@ -60,6 +60,7 @@ from torch.nn.utils import clip_grad as _clip_module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tiermem.errors import OffloadError
+from tiermem.optim import ddp as ddp_wrapper
 
 _TORCH: dict[str, Callable[..., Any]] = {"clip_grad_norm_": _clip_module.clip_grad_norm_,
                                          "clip_grad_value_": _clip_module.clip_grad_value_,
@@ -212,19 +213,32 @@ _on_import = _AccelerateOnImport()
 
 
 def _ddp_init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
-    """DistributedDataParallel's __init__, refused for a model under tiered_offload."""
+    """DistributedDataParallel's __init__: for a model under tiered_offload, a TieredDDP (see [Note: DDP around
+    an offloaded model] in tiermem/optim/ddp.py)."""
     tm = next((_owner[id(p)] for p in module.parameters() if id(p) in _owner), None)
+    if tm is None:
+        _DDP["__init__"](ddp, module, *args, **kwargs)
+    else:
+        ddp_wrapper.adopt(ddp, module, tm, args, kwargs, _DDP["__init__"])
+
+
+def _ddp_forward(ddp: Any, *inputs: Any, **kwargs: Any) -> Any:
+    """DistributedDataParallel's forward: one made before a context began training its model becomes a TieredDDP
+    (see [Note: DDP around an offloaded model]); one around a model of a context that does not train it raises."""
+    tm = next((_owner[id(p)] for p in ddp.module.parameters() if id(p) in _owner), None)
     if tm is not None:
+        ddp_wrapper.adopt_made(ddp, tm)
+        return ddp(*inputs, **kwargs)
+    if any(id(p) in _managed for p in ddp.module.parameters()):
         raise OffloadError(
-            f"DistributedDataParallel({type(module).__name__}): the model is under tiered_offload, which already "
-            "shards it across the ranks of the process group and averages their gradients (each rank holds 1/N "
-            "of every unit); DDP's hooks would see only the tiers' empty placeholders. Call the model itself "
-            "instead of wrapping it. HF Trainer and accelerate wrap the model so when launched on several "
-            "processes: with tiered_offload run them in one process, or write the loop with the model unwrapped")
-    _DDP["__init__"](ddp, module, *args, **kwargs)
+            f"DistributedDataParallel({type(ddp.module).__name__}) around a model under tiered_offload without an "
+            "optimizer: the context does not train it, and DDP's hooks hold the parameters the tiers replaced; call "
+            "the model unwrapped")
+    return _DDP["forward"](ddp, *inputs, **kwargs)
 
 
-_DDP: dict[str, Callable[..., Any]] = {"__init__": DistributedDataParallel.__init__}
+_DDP: dict[str, Callable[..., Any]] = {"__init__": DistributedDataParallel.__init__,
+                                       "forward": DistributedDataParallel.forward}
 
 
 _OURS: dict[str, Callable[..., Any]] = {"clip_grad_norm_": clip_grad_norm_, "clip_grad_value_": clip_grad_value_,
@@ -241,6 +255,7 @@ def _install(functions: dict[str, Callable[..., Any]]) -> None:
     GradScaler._unscale_grads_ = functions["_unscale_grads_"]  # type: ignore[method-assign]
     ours = functions is _OURS
     DistributedDataParallel.__init__ = _ddp_init if ours else _DDP["__init__"]  # type: ignore[method-assign,assignment]
+    DistributedDataParallel.forward = _ddp_forward if ours else _DDP["forward"]  # type: ignore[method-assign,assignment]
     if _ACCELERATOR in sys.modules:
         _install_accelerate(sys.modules[_ACCELERATOR], ours)
     if _on_import in sys.meta_path:
