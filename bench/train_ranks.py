@@ -21,6 +21,8 @@ labels=ids).loss. Variants:
             or saves per rank, in time, bytes and RSS
   tiermem_default  tiermem with its defaults: only memory.host_budget --host-budget and nvme.paths set (the
             tiers, activations.tier auto and its activations.keep chosen at entry); not run unless named
+  tiermem_ddp  tiermem_default with the model called through DistributedDataParallel(model), made inside
+            the context as HF Trainer and accelerate make it (the tiers do DDP's job); not run unless named
   deepspeed deepspeed.initialize with ZeRO stage 3, offload_param and offload_optimizer on NVMe
             (--swap-dir/deepspeed), DS_ACCELERATOR=cpu, train_offload.py's config otherwise
 
@@ -73,11 +75,11 @@ from train_offload import ADAMW, INPUT_SEED, build_model, deepspeed_config, fio_
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/tiermem-ranks-bench"
-VARIANTS = ("ddp", "tiermem", "tiermem_one", "deepspeed", "ddp_io", "tiermem_default")
+VARIANTS = ("ddp", "tiermem", "tiermem_one", "deepspeed", "ddp_io", "tiermem_default", "tiermem_ddp")
 DEFAULT_VARIANTS = VARIANTS[:4]
 LABELS = {"ddp": "PyTorch DDP, in memory", "tiermem": "tiermem, NVMe tiers", "tiermem_one": "tiermem, one rank",
           "deepspeed": "DeepSpeed ZeRO-3 NVMe", "ddp_io": "DDP beside fio --io-load",
-          "tiermem_default": "tiermem, its defaults"}
+          "tiermem_default": "tiermem, its defaults", "tiermem_ddp": "tiermem defaults, DDP-wrapped"}
 DS_GOAL = 0.5  # tiermem's step <= this x DeepSpeed's
 RSS_SLACK = 500 * 10**6  # a rank's peak RSS in the steps <= its host budget + this
 LAUNCH_TIMEOUT_S = 1800
@@ -123,10 +125,12 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             import tiermem
 
-            config = spec["tiermem_default" if spec["variant"] == "tiermem_default" else "tiermem"]
+            config = spec["tiermem" if spec["variant"] in ("tiermem", "tiermem_one") else "tiermem_default"]
             ctx = tiermem.tiered_offload(model, optimizer=torch.optim.AdamW(params, **ADAMW), **config)
             tm = ctx.__enter__()
             opt, fwd = tm.optimizer, model
+            if spec["variant"] == "tiermem_ddp":  # wrapped inside the context, as HF Trainer and accelerate do
+                fwd = torch.nn.parallel.DistributedDataParallel(model)
             out["units"] = len(tm.units)
             out["plan"] = tm.plan_summary()
     out["setup_seconds"] = time.perf_counter() - t0
@@ -276,7 +280,7 @@ def compare_losses(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     diffs = []
     for (v, rnd), run in by.items():
         ref = by.get(("ddp", rnd))
-        if v not in ("tiermem", "tiermem_default") or ref is None:
+        if v not in ("tiermem", "tiermem_default", "tiermem_ddp") or ref is None:
             continue
         for a, b in zip(run["ranks"], ref["ranks"], strict=True):
             diffs += [abs(x["loss"] - y["loss"]) for x, y in zip(a["samples"], b["samples"], strict=True)]
@@ -346,7 +350,7 @@ def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], lo
         print(f"  {LABELS[v]:<24} {e['seconds_mean']:.3f} ± {e['seconds_std']:.3f}  "
               + " ".join(f"{x:.3f}" for x in e["round_means"])
               + f"  {steps_peak / 1e9 if steps_peak else float('nan'):.2f}  {e['setup_peak_rss_bytes_max'] / 1e9:.2f}")
-    for key in ("tiermem", "tiermem_one", "tiermem_default"):
+    for key in ("tiermem", "tiermem_one", "tiermem_default", "tiermem_ddp"):
         tm = summary.get(key, {})
         if "seconds_mean" not in tm:
             continue
