@@ -228,7 +228,7 @@ def _ddp_forward(ddp: Any, *inputs: Any, **kwargs: Any) -> Any:
     tm = next((_owner[id(p)] for p in ddp.module.parameters() if id(p) in _owner), None)
     if tm is not None:
         ddp_wrapper.adopt_made(ddp, tm)
-        return ddp(*inputs, **kwargs)
+        return ddp.forward(*inputs, **kwargs)  # now TieredDDP's; this call's module hooks have run already
     if any(id(p) in _managed for p in ddp.module.parameters()):
         raise OffloadError(
             f"DistributedDataParallel({type(ddp.module).__name__}) around a model under tiered_offload without an "
