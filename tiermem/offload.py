@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiermem import rescue
 from tiermem.checkpointing import CheckpointContents, load_checkpoint, save_checkpoint
 from tiermem.config import Config, load_config
 from tiermem.cpu_allocator import cpu_allocator, trim
@@ -1023,10 +1024,21 @@ def _unpack(handle: OffloadHandle, restore: bool, raised: bool = False) -> None:
     _restore_buffers(handle.runtime.moved_buffers)
     if restore and raised and handle.units and handle.units[0].ranks.sharded:
         # gathering needs every rank, and the others may be waiting in a collective of the failed step (or be
-        # gone): the parameters are left on the meta device, named, rather than paired with the wrong gathers
+        # gone): the parameters are left on the meta device, named, rather than paired with the wrong gathers;
+        # this rank's chunks are written first, which needs no other rank ([Note: rescue at several ranks])
+        opt, kept = handle.optimizer, ""
+        trained = opt is not None and opt.progress() > 0 and (handle.saved is None or handle.saved[1] != opt.progress())
+        try:
+            if trained:  # else they are what entry read, or what the last checkpoint holds
+                folder = rescue.write(handle)
+                kept = (f"; this rank's share of every parameter was written to {folder}: with every rank's such "
+                        "directory, `tiermem rescue DIR... --out CKPT` puts the weights together into a checkpoint")
+        except Exception as exc:  # noqa: BLE001 - said in the error below
+            log.error("could not write this rank's share of the parameters: %s", exc)
+            kept = f"; writing this rank's share of them failed ({exc})"
         _to_meta(handle.model, handle.units)
         why = OffloadError(f"rank {handle.units[0].ranks.rank} left tiered_offload on an error; with several ranks "
-                           "the parameters can be given back only by all ranks together")
+                           f"the parameters can be given back only by all ranks together{kept}")
         raise _restore_error({fqn: why for u in handle.units for fqn, _ in u.params}, "", unreadable=False)
     if not restore:
         made = _to_meta(handle.model, handle.units)

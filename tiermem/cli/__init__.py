@@ -11,7 +11,7 @@ from tiermem.errors import TiermemError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tiermem.cli import bench, config_cmd, demo, info, plan, report, tune
+    from tiermem.cli import bench, config_cmd, demo, info, plan, report, rescue_cmd, tune
 
     parser = argparse.ArgumentParser(prog="tiermem", description="Tiered memory for PyTorch: device, host RAM, NVMe.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what tiermem does (INFO level)")
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.register(sub)
     plan.register(sub)
     tune.register(sub)
+    rescue_cmd.register(sub)
     return parser
 
 
