@@ -17,8 +17,9 @@ rank's chunk needs no other rank). Optimizer state is not written.
 
 `tiermem rescue DIR_RANK0 DIR_RANK1 ... --out DIR` (or `join(dirs, out)`) checks that the directories are
 ranks 0..N-1 of one rescue, puts each parameter together from the N chunks, one parameter in memory at a
-time, and writes `DIR/model.safetensors`, which `tiered_offload(..., checkpoint=...)`, safetensors'
-`load_file` + `load_state_dict`, and transformers' `from_pretrained` load.
+time, and writes `DIR/model.safetensors`, which `tiered_offload(..., checkpoint=...)` and safetensors'
+`load_file` + `load_state_dict` load (and transformers' `from_pretrained`, given the model's config.json
+in DIR).
 """
 
 from __future__ import annotations
