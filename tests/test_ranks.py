@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -443,3 +445,12 @@ def test_a_rank_that_raises_leaves_each_ranks_share_of_the_weights_and_they_join
         assert torch.equal(value, want[name]), name
     with pytest.raises(CheckpointError, match=r"ranks \[1\] of \[2\] ranks; give one directory for each of the 2"):
         join([dirs[1]], tmp_path / "partial")
+    manifest = Path(dirs[1], "rescue.json")  # a unit rank 1 could not read (its drive failed at exit)
+    shutil.copytree(dirs[1], tmp_path / "doctored")
+    doctored = json.loads(manifest.read_text())
+    doctored["lost"] = {"h.0": "reading partition ... failed: EIO"}
+    (tmp_path / "doctored" / "rescue.json").write_text(json.dumps(doctored))
+    with pytest.raises(CheckpointError, match=r"units \['h.0'\] could not be read on some rank \(reading partition"):
+        join([dirs[0], str(tmp_path / "doctored")], tmp_path / "partial")
+    with pytest.raises(CheckpointError, match="no rescue.json; not a tiermem rescue directory"):
+        join([dirs[0], str(tmp_path)], tmp_path / "partial")

@@ -55,6 +55,7 @@ def write(handle: Any) -> str:
         except Exception as exc:  # noqa: BLE001 - named in the manifest
             lost[unit.name] = str(exc)
             continue
+        writer = None
         try:
             params = [(fqn, shape, dtype) for (fqn, _), shape, (dtype, _) in
                       zip(unit.params, unit.shapes, unit.orig, strict=True)]
@@ -69,6 +70,8 @@ def write(handle: Any) -> str:
             writer.close()
             written.append(name)
         except Exception as exc:  # noqa: BLE001 - named in the manifest
+            if writer is not None:
+                writer.discard()
             lost[unit.name] = str(exc)
         finally:
             handle.swapper.release(unit.partition, tier=Tier.HOST)
