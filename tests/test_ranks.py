@@ -393,18 +393,26 @@ def test_a_rank_that_raises_makes_the_others_raise_not_hang(tmp_path, stays: boo
     assert float(zero.split("\n")[1]) < 20, zero  # entry included; the announcement is looked for every 0.2 s
 
 
+def _gpt2_with_buffer() -> torch.nn.Module:
+    model = _gpt2()
+    model.register_buffer("tally", torch.zeros(3))  # persistent: a checkpoint holds it
+    return model
+
+
 def _train_then_one_rank_raises(rank: int, world: int, folder: Path) -> None:
     import re
 
     from tiermem import RestoreError, tiered_offload
 
-    model = _gpt2().train()
+    model = _gpt2_with_buffer().train()
     opt = _optimizer("adamw", _groups(model))
     cfg = _offload_cfg(folder, rank, **{"memory.host_budget": "4MiB"})
     try:
         with tiered_offload(model, optimizer=opt, **cfg) as tm:
             _train(model, tm.optimizer, _batches(rank)[:4], tm.backward, tm.clip_grad_norm_)
+            model.tally += torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)  # rank 0's is the one a checkpoint keeps
             trained = {k: v.clone() for k, v in model.state_dict().items()}  # every rank gathers: the weights now
+            torch.save(tm.optimizer.state_dict(), folder / f"state{rank}.pt")  # this rank's chunks of the state
             if rank == 1:
                 model.transformer.h[1].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(
                     ValueError("rank 1 fails in the forward of block 1")))
@@ -420,14 +428,18 @@ def _train_then_one_rank_raises(rank: int, world: int, folder: Path) -> None:
     raise AssertionError("no error")
 
 
-def test_a_rank_that_raises_leaves_each_ranks_share_of_the_weights_and_they_join_into_a_checkpoint(tmp_path) -> None:
+def test_a_rank_that_raises_leaves_each_ranks_share_and_they_join_into_a_checkpoint_training_resumes_from(
+        tmp_path) -> None:
     """After 2 steps of AdamW on 2 ranks, rank 1 raises in a forward: the parameters cannot be gathered back and
-    stay on the meta device on both ranks, but each rank writes its chunks of every parameter beside its swap,
-    and `tiermem rescue` puts them together into a model.safetensors holding the weights the two steps made,
-    bit for bit (those model.state_dict() gathered before the error). Before, the trained weights were lost.
+    stay on the meta device on both ranks, but each rank writes its chunks of every parameter and of its
+    optimizer state beside its swap, and `tiermem rescue` puts them together into a checkpoint as
+    tm.save_checkpoint writes one. One process loads it with tm.load_checkpoint: the weights and buffers are
+    those model.state_dict() gathered before the error, bit for bit, and the optimizer state the ranks' chunks
+    of it, steps included; transformers' from_pretrained loads the weights too. Before, all of it was lost.
     Joining refuses an incomplete set of ranks, naming it."""
-    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
+    from tiermem import tiered_offload
     from tiermem.cli import main
     from tiermem.errors import CheckpointError
     from tiermem.rescue import join
@@ -437,11 +449,27 @@ def test_a_rank_that_raises_leaves_each_ranks_share_of_the_weights_and_they_join
     assert [Path(d).parent for d in dirs] == [tmp_path / "swap0", tmp_path / "swap1"]
     assert main(["rescue", dirs[1], dirs[0], "--out", str(tmp_path / "ckpt")]) == 0
     want = torch.load(tmp_path / "trained0.pt")
-    assert all(torch.equal(want[k], v) for k, v in torch.load(tmp_path / "trained1.pt").items())
-    weights = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
-    model = _gpt2()
-    assert {n for n, _ in model.named_parameters()} <= set(weights) | {"lm_head.weight"}  # tied to wte
-    for name, value in weights.items():
+    assert want["tally"].tolist() == [1.0, 2.0, 3.0]
+    assert all(torch.equal(want[k], v) for k, v in torch.load(tmp_path / "trained1.pt").items() if k != "tally")
+    chunks = [torch.load(tmp_path / f"state{r}.pt")["state"] for r in range(2)]
+
+    model = _gpt2_with_buffer()
+    one = _offload_cfg(tmp_path, 9, **{"memory.host_budget": "8MiB"})
+    with tiered_offload(model, optimizer=_optimizer("adamw", _groups(model)), **one) as tm:
+        tm.load_checkpoint(tmp_path / "ckpt")
+        loaded = {k: v.clone() for k, v in model.state_dict().items()}
+        state = tm.optimizer.state_dict()["state"]
+    assert set(loaded) == set(want)
+    for name, value in loaded.items():
+        assert torch.equal(value, want[name]), name
+    assert set(state) == set(chunks[0]) and len(state) == len(list(model.parameters()))
+    for index, entry in state.items():
+        assert float(entry["step"]) == float(chunks[0][index]["step"]) == 2.0
+        for kind in ("exp_avg", "exp_avg_sq"):
+            whole = torch.cat([c[index][kind].reshape(-1) for c in chunks])[: entry[kind].numel()]
+            assert torch.equal(entry[kind].reshape(-1), whole), (index, kind)
+    pretrained = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")  # config.json came with the rescue
+    for name, value in pretrained.state_dict().items():
         assert torch.equal(value, want[name]), name
     with pytest.raises(CheckpointError, match=r"ranks \[1\] of \[2\] ranks; give one directory for each of the 2"):
         join([dirs[1]], tmp_path / "partial")

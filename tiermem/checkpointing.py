@@ -67,7 +67,7 @@ import re
 import shutil
 import sys
 import zlib
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -126,7 +126,8 @@ class _InPartition:
     slot: str
 
 
-Spec = tuple[str, torch.dtype, tuple[int, ...], "_InPartition | torch.Tensor"]  # name, dtype, shape, its bytes
+# name, dtype, whole shape, and its bytes: in a partition, a tensor (a buffer), or a function that returns them
+Spec = tuple[str, torch.dtype, tuple[int, ...], "_InPartition | torch.Tensor | Callable[[], torch.Tensor]"]
 T = TypeVar("T")
 
 
@@ -147,13 +148,32 @@ def save_checkpoint(src: CheckpointContents, path: str | os.PathLike[str], max_s
             ranks.barrier()  # returns once rank 0 has put the checkpoint in place
             return final
         try:
-            return _save(src, final, max_shard_bytes, adapters_only)
+            return _save(final, lambda tmp: _write(src, tmp, max_shard_bytes))
         finally:
             ranks.barrier()
-    return _save(src, final, max_shard_bytes, adapters_only)
+    if adapters_only:
+        return _save(final, lambda tmp: _write_adapters(src, tmp))
+    return _save(final, lambda tmp: _write(src, tmp, max_shard_bytes))
 
 
-def _save(src: CheckpointContents, final: str, max_shard_bytes: int, adapters_only: bool) -> str:
+def write_checkpoint(path: str | os.PathLike[str], model: list[Spec], optimizer: list[Spec] | None = None,
+                     trainer: dict[str, Any] | None = None, copied: Sequence[str] = (),
+                     max_shard_bytes: int = DEFAULT_SHARD) -> str:
+    """Write a checkpoint that `load_checkpoint` loads from tensors that are not in a live context's partitions
+    (`tiermem rescue` joining the ranks' shares): `model` and `optimizer` name each tensor with its dtype,
+    whole shape and a function that returns it; `trainer` is what `trainer_state` makes, given with
+    `optimizer`; `copied` are files put beside them as they are (a model's config.json). Replaces `path` as
+    `save_checkpoint` does."""
+    def fill(folder: str) -> None:
+        for file in copied:
+            shutil.copyfile(file, os.path.join(folder, os.path.basename(file)))
+        _write_folder(folder, model, optimizer, trainer, max_shard_bytes, None)
+
+    return _save(os.path.realpath(os.fspath(path)), fill)
+
+
+def _save(final: str, fill: Callable[[str], None]) -> str:
+    """Have `fill` write a checkpoint into a new directory, then put it at `final`."""
     if os.path.lexists(final) and not os.path.isdir(final):
         raise CheckpointError(f"{final} exists and is not a directory; pass a directory for the checkpoint")
     os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -162,10 +182,7 @@ def _save(src: CheckpointContents, final: str, max_shard_bytes: int, adapters_on
     shutil.rmtree(tmp, ignore_errors=True)  # this process's own, left by a save whose cleanup failed
     os.makedirs(tmp)
     try:
-        if adapters_only:
-            _write_adapters(src, tmp)
-        else:
-            _write(src, tmp, max_shard_bytes)
+        fill(tmp)
         _install(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # the unfinished new one, or the old one after an exchange
@@ -207,11 +224,11 @@ def _model_tensors(src: CheckpointContents) -> Iterator[Spec]:
         dtypes = {s.name: s.dtype for s in unit.partition.layout.slots}  # stored dtype (params.dtype)
         for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
             yield fqn, dtypes[fqn], shape, _InPartition(unit.index, False, fqn)
-    for name, buf in _persistent_buffers(src.model):
+    for name, buf in persistent_buffers(src.model):
         yield name, buf.dtype, tuple(buf.shape), buf
 
 
-def _persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for mod_name, mod in model.named_modules():
         for name, buf in mod._buffers.items():
             if buf is not None and name not in mod._non_persistent_buffers_set:
@@ -225,7 +242,7 @@ def _optimizer_tensors(src: CheckpointContents) -> Iterator[Spec]:
         yield t.name, torch.float32, t.shape, _InPartition(t.unit, True, t.slot)
 
 
-def _trainer_state(src: CheckpointContents) -> dict[str, Any]:
+def trainer_state(src: CheckpointContents) -> dict[str, Any]:
     opt = src.optimizer
     assert opt is not None
     name_of = _param_names(src)
@@ -248,21 +265,29 @@ def _param_names(src: CheckpointContents) -> dict[int, str]:
 def _write(src: CheckpointContents, folder: str | None, max_shard_bytes: int) -> None:
     """Write the whole checkpoint into the empty directory `folder`, every file fsynced, manifest.json last.
     With several ranks, the ranks other than 0 pass None: they take part in gathering every tensor only."""
-    files: dict[str, dict[str, Any]] = {}  # manifest entries by file name
-    small: dict[str, bytes] = {}  # the JSON files, written together with aiofiles
+    optimizer = list(_optimizer_tensors(src)) if src.optimizer is not None else None
     if folder is None:
-        _write_sharded(None, "model", list(_model_tensors(src)), max_shard_bytes, src, files)
-        if src.optimizer is not None:
-            _write_sharded(None, "optimizer", list(_optimizer_tensors(src)), max_shard_bytes, src, files)
+        _write_sharded(None, "model", list(_model_tensors(src)), max_shard_bytes, src, {})
+        if optimizer is not None:
+            _write_sharded(None, "optimizer", optimizer, max_shard_bytes, src, {})
         return
     config = getattr(src.model, "config", None)
     if config is not None and callable(getattr(config, "save_pretrained", None)):
         config.save_pretrained(folder)
-    small[MODEL_INDEX] = _write_sharded(folder, "model", list(_model_tensors(src)), max_shard_bytes, src, files)
-    if src.optimizer is not None:
-        small[OPTIMIZER_INDEX] = _write_sharded(folder, "optimizer", list(_optimizer_tensors(src)), max_shard_bytes,
-                                                src, files)
-        small[TRAINER_STATE] = _dumps(_trainer_state(src))
+    _write_folder(folder, list(_model_tensors(src)), optimizer,
+                  trainer_state(src) if optimizer is not None else None, max_shard_bytes, src)
+
+
+def _write_folder(folder: str, model: list[Spec], optimizer: list[Spec] | None, trainer: dict[str, Any] | None,
+                  max_shard_bytes: int, src: CheckpointContents | None) -> None:
+    """The shards, their indexes, trainer_state.json (with `optimizer`), and manifest.json last, listing
+    these and whatever else is in `folder` already."""
+    files: dict[str, dict[str, Any]] = {}  # manifest entries by file name
+    small: dict[str, bytes] = {}  # the JSON files, written together with aiofiles
+    small[MODEL_INDEX] = _write_sharded(folder, "model", model, max_shard_bytes, src, files)
+    if optimizer is not None:
+        small[OPTIMIZER_INDEX] = _write_sharded(folder, "optimizer", optimizer, max_shard_bytes, src, files)
+        small[TRAINER_STATE] = _dumps(trainer)
     _run(_write_files(folder, small))
     files.update({name: _whole_file(data) for name, data in small.items()})
     for name in sorted(os.listdir(folder)):  # config.json, and whatever else save_pretrained wrote
@@ -310,8 +335,8 @@ def _write_adapters(src: CheckpointContents, folder: str) -> None:
     _fsync_dir(folder)
 
 
-def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_shard_bytes: int, src: CheckpointContents,
-                   files: dict[str, dict[str, Any]]) -> bytes:
+def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_shard_bytes: int,
+                   src: CheckpointContents | None, files: dict[str, dict[str, Any]]) -> bytes:
     """Write `tensors` into `<prefix>-k-of-n.safetensors` shards (their manifest entries go into `files`);
     return the index's JSON."""
     shards: list[list[Spec]] = [[]]
@@ -340,6 +365,10 @@ def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_sha
                 if isinstance(source, torch.Tensor):  # a buffer
                     writer.write(tname, source)
                     continue
+                if not isinstance(source, _InPartition):  # made when it is written (write_checkpoint)
+                    writer.write(tname, source())
+                    continue
+                assert src is not None
                 key = (source.unit, source.state)
                 if held != key:
                     _release(src, held)
@@ -387,8 +416,8 @@ def _acquire(src: CheckpointContents, key: tuple[int, bool]) -> dict[str, torch.
         src.swapper.release(part, tier=Tier.HOST)
 
 
-def _release(src: CheckpointContents, key: tuple[int, bool] | None) -> None:
-    if key is not None and not src.units[key[0]].ranks.sharded:
+def _release(src: CheckpointContents | None, key: tuple[int, bool] | None) -> None:
+    if src is not None and key is not None and not src.units[key[0]].ranks.sharded:
         src.swapper.release(_partition_for(src, key), tier=Tier.HOST)
 
 
@@ -737,7 +766,7 @@ def _check_model(src: CheckpointContents, weights: SafetensorsCheckpoint) -> Non
         dtypes = {s.name: s.dtype for s in unit.partition.layout.slots}
         for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
             _check_tensor(weights, fqn, shape, dtypes[fqn], f"the model's parameter {fqn!r}")
-    for name, buf in _persistent_buffers(src.model):
+    for name, buf in persistent_buffers(src.model):
         _check_tensor(weights, name, tuple(buf.shape), buf.dtype, f"the model's buffer {name!r}")
 
 
@@ -857,7 +886,7 @@ def _load(src: CheckpointContents, checked: _Checked) -> None:
                 _read(checked, weights, engine, fqn, views[fqn], unit.ranks, shape)
         finally:
             src.swapper.release(unit.partition, dirty=True, tier=Tier.HOST)
-    for name, buf in _persistent_buffers(src.model):  # buffers live on the device: read on the host, then copy
+    for name, buf in persistent_buffers(src.model):  # buffers live on the device: read on the host, then copy
         staged = torch.empty(buf.shape, dtype=buf.dtype)
         checked.read_into(weights, engine, name, staged)
         with torch.no_grad():

@@ -459,6 +459,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                         # optimizer casts state to its parameters' dtype, which params.dtype changes inside
                         kept_state = handle.optimizer.state_dict()
                     elif (handle.optimizer is not None and handle.optimizer.has_state()
+                          and not (raised and ranks.sharded)  # then rescued ([Note: rescue at several ranks])
                           and (handle.saved is None or handle.saved[1] != handle.optimizer.progress())):
                         log.warning("leaving tiered_offload: the optimizer state stays behind (it lives in "
                                     "optimizer.tier and goes with the swap files); save it inside the context with "
@@ -1021,7 +1022,6 @@ def _restore_buffers(moved: list[tuple[nn.Module, str, torch.device]]) -> None:
 
 # -- exit -------------------------------------------------------------------------------------------
 def _unpack(handle: OffloadHandle, restore: bool, raised: bool = False) -> None:
-    _restore_buffers(handle.runtime.moved_buffers)
     if restore and raised and handle.units and handle.units[0].ranks.sharded:
         # gathering needs every rank, and the others may be waiting in a collective of the failed step (or be
         # gone): the parameters are left on the meta device, named, rather than paired with the wrong gathers;
@@ -1030,16 +1030,19 @@ def _unpack(handle: OffloadHandle, restore: bool, raised: bool = False) -> None:
         trained = opt is not None and opt.progress() > 0 and (handle.saved is None or handle.saved[1] != opt.progress())
         try:
             if trained:  # else they are what entry read, or what the last checkpoint holds
-                folder = rescue.write(handle)
-                kept = (f"; this rank's share of every parameter was written to {folder}: with every rank's such "
-                        "directory, `tiermem rescue DIR... --out CKPT` puts the weights together into a checkpoint")
+                folder = rescue.write(handle._contents(), handle.ranks, handle.config.nvme.paths[0])
+                kept = (f"; this rank's share of every parameter and of its optimizer state was written to {folder}: "
+                        "with every rank's such directory, `tiermem rescue DIR... --out CKPT` puts them together "
+                        "into a checkpoint that tm.load_checkpoint resumes from")
         except Exception as exc:  # noqa: BLE001 - said in the error below
             log.error("could not write this rank's share of the parameters: %s", exc)
             kept = f"; writing this rank's share of them failed ({exc})"
+        _restore_buffers(handle.runtime.moved_buffers)  # after the rescue, which reads them on the device
         _to_meta(handle.model, handle.units)
         why = OffloadError(f"rank {handle.units[0].ranks.rank} left tiered_offload on an error; with several ranks "
                            f"the parameters can be given back only by all ranks together{kept}")
         raise _restore_error({fqn: why for u in handle.units for fqn, _ in u.params}, "", unreadable=False)
+    _restore_buffers(handle.runtime.moved_buffers)
     if not restore:
         made = _to_meta(handle.model, handle.units)
         _swap_in_optimizer(handle.optimizer.original if handle.optimizer is not None else None, made)

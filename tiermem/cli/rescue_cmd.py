@@ -1,5 +1,6 @@
-"""`tiermem rescue`: the ranks' shares of the weights, written when a with-block raised under several ranks,
-put together into one checkpoint (see [Note: rescue at several ranks] in tiermem/rescue.py)."""
+"""`tiermem rescue`: the ranks' shares of the weights and optimizer state, written when a with-block raised
+under several ranks, put together into one checkpoint (see [Note: rescue at several ranks] in
+tiermem/rescue.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ from tiermem import rescue
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("rescue", help="put the ranks' rescued shares of the weights together into a checkpoint")
+    p = sub.add_parser("rescue", help="put the ranks' rescued shares of the weights and optimizer state together "
+                                           "into a checkpoint")
     p.add_argument("dirs", nargs="+", metavar="DIR",
                    help="each rank's tiermem-rescue-rank{R}-of-{N}-... directory, all N of them, in any order")
-    p.add_argument("--out", required=True, help="folder to write model.safetensors into")
+    p.add_argument("--out", required=True, help="the checkpoint directory to write (replaced if it holds one)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     path = rescue.join(args.dirs, args.out)
-    print(f"wrote {path}: load it with tiered_offload(model, ..., checkpoint={path!r}) or "
-          "model.load_state_dict(safetensors.torch.load_file(...))")
+    print(f"wrote the checkpoint {path}: resume with tm.load_checkpoint({path!r}) inside tiered_offload (any number "
+          "of ranks), or load the weights with from_pretrained when the model is a transformers one")
     return 0

@@ -59,6 +59,7 @@ class SafetensorsCheckpoint:
         self.entries: dict[str, Entry] = {}
         self.shards: dict[str, dict[str, Entry]] = {}  # file path -> the tensors its header lists
         self.header_crc32: dict[str, int] = {}  # file path -> CRC-32 of its length field and header
+        self.metadata: dict[str, dict[str, str]] = {}  # file path -> its header's "__metadata__"
         if self.path.endswith(".json"):
             index = _load_json(self.path)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -96,6 +97,10 @@ class SafetensorsCheckpoint:
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: the safetensors header is not a JSON object; the file is corrupt")
         self.header_crc32[path] = zlib.crc32(raw_header, zlib.crc32(raw))
+        meta = header.get("__metadata__", {})
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise CheckpointError(f"{path}: the header's __metadata__ is not an object of strings; the file is corrupt")
+        self.metadata[path] = meta
         base = 8 + n
         tensors = self.shards.setdefault(path, {})
         for name, meta in header.items():
