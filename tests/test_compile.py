@@ -35,10 +35,10 @@ def train(model: nn.Module, steps: int = 3) -> list[float]:
     return _steps(model, opt, steps)
 
 
-def _steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int = 0) -> list[float]:
     losses = []
     for k in range(steps):
-        x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k))
+        x = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(k + 100 * rank))
         loss = model(x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -108,3 +108,51 @@ def test_inductor_compiled_model_runs_and_trains_under_the_context(tmp_path) -> 
         torch.testing.assert_close(got_w[n], want_w[n], rtol=1e-4, atol=1e-4)
     # and the steps moved the weights by far more than that
     assert max(float((want_w[n] - start_w[n]).abs().max()) for n in want_w) > 1e-3
+
+
+def _compiled_ddp_on_a_rank(rank: int, world: int, folder: Path) -> None:
+    """Rank `rank` of test_a_compiled_ddp_model_on_two_ranks_trains_as_compiled_ddp_in_memory."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.test_trainers import no_dropout
+    from tiermem.optim.ddp import TieredDDP
+
+    def run(where: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        model = no_dropout(models.gpt2())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        offload = cfg(folder / f"{where}{rank}")
+        if where == "memory":
+            losses = _steps(torch.compile(DistributedDataParallel(model), backend="aot_eager"), opt, 3, rank)
+        elif where == "made-before":  # a torchrun script's compiled DDP(model), then the context
+            ddp = DistributedDataParallel(model)
+            compiled_ddp = torch.compile(ddp, backend="aot_eager")
+            with tiered_offload(model, optimizer=opt, **offload) as tm:
+                losses = _steps(compiled_ddp, opt, 3, rank)
+                assert type(ddp) is TieredDDP and tm.stats()["gathered_bytes"] > 0
+        else:
+            with tiered_offload(model, optimizer=opt, **offload) as tm:
+                ddp = DistributedDataParallel(model)
+                losses = _steps(torch.compile(ddp, backend="aot_eager"), opt, 3, rank)
+                assert type(ddp) is TieredDDP and tm.stats()["gathered_bytes"] > 0
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # compiled, not run eagerly
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    want, want_w = run("memory")
+    for where in ("made-before", "made-inside"):
+        got, got_w = run(where)
+        assert got == want, (where, got, want)
+        for n in want_w:  # the tiers reduce-scatter where DDP all-reduces: the same sums, rounded apart
+            torch.testing.assert_close(got_w[n], want_w[n], rtol=0, atol=1e-6, msg=f"{where}: {n}")
+
+
+def test_a_compiled_ddp_model_on_two_ranks_trains_as_compiled_ddp_in_memory(tmp_path) -> None:
+    """torch.compile (aot_eager) of DistributedDataParallel(model) on 2 gloo ranks, the DDP made before the
+    context (a torchrun script's) or inside it, three clipped AdamW steps on each rank's own batches: the losses
+    equal those of the same compiled DDP in memory, and the weights to 1e-6, with the model sharded over the
+    ranks' tiers."""
+    from tests.ranks import run_ranks
+
+    run_ranks(_compiled_ddp_on_a_rank, 2, tmp_path, timeout_s=300)
