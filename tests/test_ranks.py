@@ -154,6 +154,40 @@ def test_two_ranks_each_hold_half_and_compute_what_one_process_computes(tmp_path
             assert abs(got[key] - one[key] / 2) <= 0.05 * one[key] / 2, (rank, key, got[key], one[key])
 
 
+def _stream(rank: int, world: int, folder: Path) -> None:
+    from tiermem import tiered_offload
+
+    weights = folder.parent / "weights.safetensors"
+    with torch.device("meta"):
+        model = _gpt2()
+    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    with tiered_offload(model, checkpoint=weights, **_offload_cfg(folder, rank)) as tm, torch.no_grad():
+        logits = model(ids).logits
+        read = tm.stats()["checkpoint_bytes_read"]
+    torch.save({"logits": logits, "read": read}, folder / f"streamed{rank}.pt")
+
+
+def test_two_ranks_streaming_a_checkpoint_each_read_their_half_of_it(tmp_path) -> None:
+    """A model built on the meta device, its weights streamed from a float16 safetensors file at entry: each
+    of two ranks reads only its chunk of every tensor (half the bytes one process reads, to the padding of
+    one element per tensor), converts it to float32, and both compute the logits one process does. Before,
+    every rank read every tensor whole and kept its chunk."""
+    from safetensors.torch import save_file
+
+    model = _gpt2()
+    save_file({k: v.half() for k, v in model.state_dict().items() if k != "lm_head.weight"},  # tied to wte
+              str(tmp_path / "weights.safetensors"))
+    run_ranks(_stream, 2, tmp_path / "two")
+    _stream(0, 1, tmp_path / "one")
+    one = torch.load(tmp_path / "one" / "streamed0.pt")
+    params = sum(p.numel() for p in model.parameters())
+    assert one["read"] == 2 * params  # float16, every tensor whole once
+    for rank in range(2):
+        got = torch.load(tmp_path / "two" / f"streamed{rank}.pt")
+        assert torch.equal(got["logits"], one["logits"]), rank
+        assert abs(got["read"] - one["read"] / 2) <= 2 * len(list(model.parameters())), (rank, got["read"], one["read"])
+
+
 STEPS, ACCUMULATE = 10, 2
 
 

@@ -147,7 +147,8 @@ class OffloadHandle:
         that is null; None on a device whose memory is the host's). With ``activations.tier: nvme`` also
         ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_in_memory_bytes`` (kept there by
         activations.keep), ``activations_stall_seconds``, ``activations_peak_host_bytes``,
-        ``activations_bytes_written`` and ``activations_bytes_read``. The
+        ``activations_bytes_written`` and ``activations_bytes_read``. ``checkpoint_bytes_read``: what entry read
+        from ``checkpoint=`` (with several ranks, each rank reads only its chunks; not reset). The
         activations live in the same host cache as the parameters, so their bytes are also in ``bytes_read``,
         ``bytes_written`` and the ``host`` entries (``peak_bytes['host']`` is at most the host budget). With
         several ranks (zero otherwise): ``gathered_bytes`` (received by all-gathers), ``gather_wait_seconds``
@@ -179,6 +180,7 @@ class OffloadHandle:
             "evictions": s.evictions,
             "bytes_moved": s.bytes_moved,
             "device_budget": self.swapper.device_cap,
+            "checkpoint_bytes_read": rt.checkpoint_bytes_read,
             **act,
             **(rt.kv.stats() if rt.kv is not None else {}),
             **(dataclasses.asdict(rt.units[0].ranks.traffic) if rt.units else {}),
@@ -863,6 +865,7 @@ def _place_model(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.
             raise _restore_error(failed, "entering tiered_offload failed and ") from exc
         raise
     runtime.moved_buffers = moved
+    runtime.checkpoint_bytes_read = ckpt.bytes_read if ckpt is not None else 0
     return runtime
 
 
@@ -946,12 +949,11 @@ def _place_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: Weigh
                 else:
                     views[fqn].copy_(made[fqn] if fqn in made else p.detach())
                 continue
-            if ckpt is not None and name is not None:  # the whole tensor once, then this rank's chunk
-                src = torch.empty(shapes[fqn].shape, dtype=shapes[fqn].dtype)
-                ckpt.read_into(swapper.engine, name, src)
+            if ckpt is not None and name is not None:  # this rank's chunk only: 1/N of the checkpoint's bytes
+                start, end = ranks.my_range(shapes[fqn].numel())
+                ckpt.read_range_into(swapper.engine, name, tuple(shapes[fqn].shape), start, views[fqn][: end - start])
             else:
-                src = made[fqn] if fqn in made else p.detach()
-            ranks.keep_mine(src, views[fqn])
+                ranks.keep_mine(made[fqn] if fqn in made else p.detach(), views[fqn])
 
     part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill, zero=ranks.sharded)
     unit = Unit(index, up.name, list(up.params.items()), part, swapper.device, ranks,

@@ -75,6 +75,7 @@ class SafetensorsCheckpoint:
         else:
             self._read_header(self.path)
         self._files: dict[str, IOFile] = {}  # open shards, by path
+        self.bytes_read = 0  # by read_into and read_range_into
 
     def _read_header(self, path: str) -> None:
         try:
@@ -122,21 +123,41 @@ class SafetensorsCheckpoint:
     def read_into(self, engine: IOEngine, name: str, target: torch.Tensor) -> int:
         """Read tensor `name` into `target` (a CPU tensor of the same shape), converting its dtype if needed;
         return the CRC-32 of the bytes as stored."""
-        e = self.entries[name]
-        if tuple(target.shape) != e.shape:
-            raise CheckpointError(f"{e.path}: tensor {name!r} has shape {list(e.shape)} but the model's parameter "
-                                  f"has {list(target.shape)}; the checkpoint was saved from another model config")
+        e = self._entry(name, tuple(target.shape))
         check_host(f"reading {name!r} from {e.path}", target)
+        return _crc32(self._read(e, e.offset, e.nbytes, target, engine))
+
+    def read_range_into(self, engine: IOEngine, name: str, shape: tuple[int, ...], start: int,
+                        target: torch.Tensor) -> None:
+        """Read elements start .. start + target.numel() of tensor `name` (of `shape`, taken flat) into `target`
+        (a CPU tensor), converting its dtype if needed: one rank's chunk, without reading the rest."""
+        e = self._entry(name, tuple(shape))
+        check_host(f"reading {name!r} from {e.path}", target)
+        item = e.dtype.itemsize
+        if target.numel():
+            self._read(e, e.offset + start * item, target.numel() * item, target, engine)
+
+    def _entry(self, name: str, shape: tuple[int, ...]) -> Entry:
+        e = self.entries[name]
+        if shape != e.shape:
+            raise CheckpointError(f"{e.path}: tensor {name!r} has shape {list(e.shape)} but the model's parameter "
+                                  f"has {list(shape)}; the checkpoint was saved from another model config")
+        return e
+
+    def _read(self, e: Entry, offset: int, nbytes: int, target: torch.Tensor, engine: IOEngine) -> torch.Tensor:
+        """Read `nbytes` at `offset` of `e`'s file into `target`; return them as stored (`target`, or the
+        temporary they were converted from)."""
         f = self._files.get(e.path)
         if f is None:
             f = self._files[e.path] = IOFile(e.path, "r", direct=False)
+        self.bytes_read += nbytes
         if target.dtype == e.dtype and target.is_contiguous():
-            engine.read(f, target, e.offset, e.nbytes).wait()
-            return _crc32(target)
-        tmp = torch.empty(e.shape, dtype=e.dtype)
-        engine.read(f, tmp, e.offset, e.nbytes).wait()
+            engine.read(f, target, offset, nbytes).wait()
+            return target
+        tmp = torch.empty(target.shape, dtype=e.dtype)
+        engine.read(f, tmp, offset, nbytes).wait()
         target.copy_(tmp)
-        return _crc32(tmp)
+        return tmp
 
     def checksums(self, path: str) -> dict[str, int]:
         """The CRC-32 of each tensor's bytes in the file at `path` (one of `shards`), read front to back in
