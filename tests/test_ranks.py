@@ -446,7 +446,7 @@ def _train_then_one_rank_raises(rank: int, world: int, folder: Path) -> None:
             _train(model, tm.optimizer, _batches(rank)[:4], tm.backward, tm.clip_grad_norm_)
             model.tally += torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)  # rank 0's is the one a checkpoint keeps
             trained = {k: v.clone() for k, v in model.state_dict().items()}  # every rank gathers: the weights now
-            torch.save(tm.optimizer.state_dict(), folder / f"state{rank}.pt")  # this rank's chunks of the state
+            torch.save(tm.optimizer.state_dict(), folder / f"state{rank}.pt")  # every rank gathers: whole
             if rank == 1:
                 model.transformer.h[1].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(
                     ValueError("rank 1 fails in the forward of block 1")))
@@ -468,9 +468,9 @@ def test_a_rank_that_raises_leaves_each_ranks_share_and_they_join_into_a_checkpo
     stay on the meta device on both ranks, but each rank writes its chunks of every parameter and of its
     optimizer state beside its swap, and `tiermem rescue` puts them together into a checkpoint as
     tm.save_checkpoint writes one. One process loads it with tm.load_checkpoint: the weights and buffers are
-    those model.state_dict() gathered before the error, bit for bit, and the optimizer state the ranks' chunks
-    of it, steps included; transformers' from_pretrained loads the weights too. Before, all of it was lost.
-    Joining refuses an incomplete set of ranks, naming it."""
+    those model.state_dict() gathered before the error, bit for bit, and the optimizer state what
+    optimizer.state_dict() gathered then (whole tensors), steps included; transformers' from_pretrained loads
+    the weights too. Before, all of it was lost. Joining refuses an incomplete set of ranks, naming it."""
     from transformers import AutoModelForCausalLM
 
     from tiermem import tiered_offload
@@ -485,7 +485,7 @@ def test_a_rank_that_raises_leaves_each_ranks_share_and_they_join_into_a_checkpo
     want = torch.load(tmp_path / "trained0.pt")
     assert want["tally"].tolist() == [1.0, 2.0, 3.0]
     assert all(torch.equal(want[k], v) for k, v in torch.load(tmp_path / "trained1.pt").items() if k != "tally")
-    chunks = [torch.load(tmp_path / f"state{r}.pt")["state"] for r in range(2)]
+    states = [torch.load(tmp_path / f"state{r}.pt")["state"] for r in range(2)]
 
     model = _gpt2_with_buffer()
     one = _offload_cfg(tmp_path, 9, **{"memory.host_budget": "8MiB"})
@@ -496,12 +496,13 @@ def test_a_rank_that_raises_leaves_each_ranks_share_and_they_join_into_a_checkpo
     assert set(loaded) == set(want)
     for name, value in loaded.items():
         assert torch.equal(value, want[name]), name
-    assert set(state) == set(chunks[0]) and len(state) == len(list(model.parameters()))
+    assert set(state) == set(states[0]) and len(state) == len(list(model.parameters()))
+    assert sum(e["exp_avg"].numel() for e in states[1].values()) == sum(p.numel() for p in model.parameters())
     for index, entry in state.items():
-        assert float(entry["step"]) == float(chunks[0][index]["step"]) == 2.0
+        assert float(entry["step"]) == float(states[0][index]["step"]) == 2.0
         for kind in ("exp_avg", "exp_avg_sq"):
-            whole = torch.cat([c[index][kind].reshape(-1) for c in chunks])[: entry[kind].numel()]
-            assert torch.equal(entry[kind].reshape(-1), whole), (index, kind)
+            assert torch.equal(entry[kind], states[0][index][kind]), (index, kind)
+            assert torch.equal(entry[kind], states[1][index][kind]), (index, kind)
     pretrained = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")  # config.json came with the rescue
     for name, value in pretrained.state_dict().items():
         assert torch.equal(value, want[name]), name

@@ -516,3 +516,58 @@ def test_hf_trainer_under_torchrun_keeps_its_ddp_wrapper_and_trains_as_ddp_in_me
     from tests.ranks import run_ranks
 
     run_ranks(_trainer_on_ranks, 2, tmp_path, timeout_s=120)
+
+
+def _trainer_checkpoints_on_ranks(rank: int, world: int, folder: Path) -> None:
+    """Rank `rank` of test_hf_trainer_under_torchrun_saves_checkpoints_and_resumes_as_ddp_in_memory."""
+    from transformers import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29557", LOCAL_WORLD_SIZE=str(world))  # as torchrun sets
+
+    def train(where: str, resume: str | None = None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = no_dropout(models.gpt2())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # AdamW's first steps amplify rounding
+        args = trainer_args(folder / where, ddp_backend="gloo", save_strategy="steps", save_steps=2)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, None))
+        if where == "memory":
+            trainer.train()
+        else:
+            with tiered_offload(model, optimizer=opt, **cfg(folder / f"{where}-swap{rank}")):
+                trainer.train(resume_from_checkpoint=resume)
+        return weights(model)
+
+    want = train("memory")
+    got = train("tiers")
+    resumed = train("resumed", str(folder / "tiers" / "checkpoint-2"))
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-6, msg=n)
+        torch.testing.assert_close(resumed[n], want[n], rtol=0, atol=1e-6, msg=n)
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        for step in (2, 4):
+            mem, tiers = (folder / where / f"checkpoint-{step}" for where in ("memory", "tiers"))
+            saved, kept = load_file(str(mem / "model.safetensors")), load_file(str(tiers / "model.safetensors"))
+            assert set(saved) == set(kept)
+            for n in saved:
+                torch.testing.assert_close(kept[n], saved[n], rtol=0, atol=1e-6, msg=n)
+            saved, kept = (torch.load(d / "optimizer.pt", weights_only=True)["state"] for d in (mem, tiers))
+            assert set(saved) == set(kept) and saved
+            for k in saved:  # whole tensors, not this rank's chunks
+                torch.testing.assert_close(kept[k]["momentum_buffer"], saved[k]["momentum_buffer"], rtol=0, atol=1e-6,
+                                           msg=str(k))
+
+
+def test_hf_trainer_under_torchrun_saves_checkpoints_and_resumes_as_ddp_in_memory(tmp_path) -> None:
+    """HF Trainer on 2 ranks saving a checkpoint every 2 of 4 steps (SGD with momentum, clipping, 2-step
+    accumulation, a linear schedule), under
+    tiered_offload: its model.safetensors and optimizer.pt hold the whole weights and state, as the same Trainer
+    with torch's DDP in memory writes them (to 1e-6: the tiers reduce each micro-batch); and a fresh model and
+    context resuming from checkpoint-2 end where the in-memory run ends. Before, only the saving rank reached
+    model.state_dict(), whose gathers need every rank: they met the other rank's next collective (gloo aborted
+    on the mismatch, or both waited for the process group's timeout), and optimizer.state_dict() gave a
+    rank's chunks. The tied head is saved once, as in memory."""
+    from tests.ranks import run_ranks
+
+    run_ranks(_trainer_checkpoints_on_ranks, 2, tmp_path, timeout_s=120)

@@ -83,7 +83,7 @@ from tiermem.io.aio import read_bytes
 from tiermem.optim import StateTensor, TieredOptimizer
 from tiermem.runtime.safetensors_io import SafetensorsCheckpoint, SafetensorsWriter
 from tiermem.runtime.unit import Unit
-from tiermem.swap import Layout, Partition, TensorSwapper, Tier
+from tiermem.swap import Partition, TensorSwapper, Tier
 
 log = logging.getLogger(__name__)
 
@@ -405,10 +405,11 @@ def _acquire(src: CheckpointContents, key: tuple[int, bool]) -> dict[str, torch.
     if not unit.ranks.sharded:
         return views
     try:
-        shapes = {fqn: torch.empty(shape, dtype=torch.float32, device="meta")
-                  for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True)}
-        whole = unit.whole if not key[1] else Layout.of(
-            [(slot.name, shapes[slot.name.split(".", 1)[1]]) for slot in part.layout.slots])
+        if key[1]:
+            assert src.optimizer is not None
+            whole = src.optimizer.state_whole_layout(key[0])
+        else:
+            whole = unit.whole
         out = torch.empty(whole.size, dtype=torch.uint8)
         gather_unit(unit.ranks, part.flat(Tier.HOST), part.layout, whole, out)
         return whole.views(out)

@@ -17,7 +17,8 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -61,6 +62,10 @@ class OffloadHandle:
         self.optimizer = optimizer  # the stand-in for the optimizer passed in (None when not training)
         self._unit_of: dict[int, int] = {}  # id(parameter) -> the unit holding it
         self._loading: list[tuple[nn.Module, list[int]]] = []  # units held by a load_state_dict under way
+        self._taking_part = False  # model.state_dict() gathers for another rank's and keeps nothing
+        # the state dict a model.state_dict() call is filling, and the copies made for it, by id(parameter)
+        self._copies: tuple[Callable[[], Any], weakref.WeakValueDictionary[int, torch.Tensor], set[int]] = (
+            lambda: None, weakref.WeakValueDictionary(), set())
         self.closed = False  # the context has ended: the parameters are ordinary tensors again, the swap is gone
         self.saved: tuple[str, int] | None = None  # (path, optimizer progress) of the last checkpoint written
         self.plan: dict[str, Any] = {}  # what goes where and why, as entry chose it (logged at entry)
@@ -257,14 +262,32 @@ class OffloadHandle:
         if not mine:
             return
         self._check_whole("model.state_dict()")
+        if self._copies[0]() is not state:  # a new state_dict() call
+            self._copies = (weakref.ref(state), weakref.WeakValueDictionary(), set())
+        _, copies, seen = self._copies
+        for key, p in mine:  # a tied parameter (lm_head's, wte's) is one tensor under both names, as in memory,
+            if id(p) in copies:  # so save_pretrained finds the tie and saves it once
+                state[key] = copies[id(p)]
+        mine = [(key, p) for key, p in mine if id(p) not in seen]  # each rank gathers the same units
+        seen.update(id(p) for _, p in mine)
         for i in dict.fromkeys(self._unit_of[id(p)] for _, p in mine):
             self.runtime.hold([i])
             try:
                 for key, p in mine:
-                    if self._unit_of[id(p)] == i:
-                        state[key] = p.detach().to("cpu", copy=True)
+                    if self._unit_of[id(p)] == i and not self._taking_part:
+                        state[key] = copies[id(p)] = p.detach().to("cpu", copy=True)
             finally:
                 self.runtime.let_go([i])
+
+    def take_part_in_state_dict(self) -> None:
+        """With several ranks, take part in the gathers of another rank's `model.state_dict()`, keeping nothing:
+        for code that calls it on one rank only (HF Trainer's checkpoints; see [Note: torch's loop helpers
+        inside the context])."""
+        self._taking_part = True
+        try:
+            self.model.state_dict()
+        finally:
+            self._taking_part = False
 
     def _load_state_dict_pre_hook(self, module: nn.Module, state: Mapping[str, Any], prefix: str,
                                   *_rest: Any) -> None:
@@ -456,7 +479,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                     handle.runtime.remove_hooks()
                     _undelegate(optimizer, patched)
                     kept_state = None
-                    if restore_optimizer and handle.optimizer is not None and optimizer is not None:
+                    if (restore_optimizer and handle.optimizer is not None and optimizer is not None
+                            and not (raised and ranks.sharded)):  # gathering it needs every rank
                         # read from its tiers now, loaded once the parameters are back: the original
                         # optimizer casts state to its parameters' dtype, which params.dtype changes inside
                         kept_state = handle.optimizer.state_dict()

@@ -34,8 +34,13 @@ is open:
   context, as HF Trainer builds its own when not handed one) raises, naming the optimizer to pass. Its step
   would see the tiers' placeholders: it updated nothing, silently, or failed on their size.
 - Everything is put back when the last such context ends.
-- Under several ranks each unit is gathered from every rank, so `model.state_dict()` (below) is called on
-  every rank, as `tm.save_checkpoint` is.
+- Under several ranks each unit is gathered from every rank, so `model.state_dict()` (below) and
+  `optimizer.state_dict()` (whole tensors, gathered) are called on every rank, as `tm.save_checkpoint` is.
+  HF Trainer calls them on its saving rank only (`args.should_save`): its `save_model` and
+  `_save_optimizer_and_scheduler` are replaced by ones that have every other rank take part in those
+  gathers first, keeping nothing (`take_part_in_state_dict`), then do what the Trainer's do. Before, the
+  saving rank's gathers met the other ranks' next collectives: gloo aborted on the mismatch, or both
+  waited until the process group's timeout.
 The rest of such a loop is served where the model is or by the optimizer passed in: its step(), zero_grad(),
 state_dict() and load_state_dict() are the tiers' (`_delegate` in tiermem/offload.py, also for a learning-rate
 scheduler made inside the context, as HF Trainer makes one); `model.zero_grad()` (each module's, as HF code clears
@@ -163,53 +168,89 @@ def _accelerate_clip_grad_norm_(accelerator: Any, parameters: Any, max_norm: flo
     context])."""
     given, tm = _split(parameters)
     if tm is None:
-        return _ACCELERATE["clip_grad_norm_"](accelerator, given, max_norm, norm_type)
+        return _PATCHED["clip_grad_norm_"](accelerator, given, max_norm, norm_type)
     accelerator.unscale_gradients()
     return _clip_in_tiers(tm, given, max_norm, norm_type, False)
 
 
-_ACCELERATOR = "accelerate.accelerator"
-_ACCELERATE: dict[str, Callable[..., Any]] = {}  # accelerate's own, once its module was imported in a context
+def _sharded_owner(parameters: Any) -> Any:
+    """The context training these parameters when it shards over several ranks, else None."""
+    tm = next((_owner[id(p)] for p in parameters if id(p) in _owner), None)
+    return tm if tm is not None and tm.ranks.sharded else None
+
+
+def _trainer_save_model(trainer: Any, output_dir: str | None = None, _internal_call: bool = False) -> Any:
+    """HF Trainer's `save_model`: with several ranks only the saving rank reaches `model.state_dict()`, whose
+    gathers need every rank, so the others take part in them (see [Note: torch's loop helpers inside the
+    context])."""
+    tm = _sharded_owner(trainer.model.parameters())
+    if tm is not None and not trainer.args.should_save and not getattr(
+            trainer, "is_distributed_loading_by_transformers", False):  # else transformers has every rank gather
+        tm.take_part_in_state_dict()
+    return _PATCHED["save_model"](trainer, output_dir, _internal_call)
+
+
+def _trainer_save_optimizer(trainer: Any, output_dir: str) -> Any:
+    """HF Trainer's `_save_optimizer_and_scheduler`: the same for `optimizer.state_dict()`."""
+    tm = _sharded_owner(trainer.model.parameters())
+    if tm is not None and not trainer.args.should_save:
+        tm.optimizer.take_part_in_state_dict()
+    return _PATCHED["_save_optimizer_and_scheduler"](trainer, output_dir)
 
 
 def _install_accelerate(module: Any, ours: bool) -> None:
-    cls = module.Accelerator
-    if ours:
-        _ACCELERATE.setdefault("clip_grad_norm_", cls.clip_grad_norm_)
-        cls.clip_grad_norm_ = _accelerate_clip_grad_norm_
-    elif "clip_grad_norm_" in _ACCELERATE:
-        cls.clip_grad_norm_ = _ACCELERATE.pop("clip_grad_norm_")
+    _replace(module.Accelerator, {"clip_grad_norm_": _accelerate_clip_grad_norm_}, ours)
 
 
-class _AccelerateOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports accelerate's Accelerator module as the other finders would, then puts our clipping in it: for a
-    loop that first imports it inside a context (transformers imports its Trainer, and with it accelerate,
-    only when first used)."""
+def _install_trainer(module: Any, ours: bool) -> None:
+    _replace(module.Trainer, {"save_model": _trainer_save_model,
+                              "_save_optimizer_and_scheduler": _trainer_save_optimizer}, ours)
+
+
+_PATCHED: dict[str, Callable[..., Any]] = {}  # accelerate's and transformers' own, while ours replace them
+
+
+def _replace(cls: Any, ours: dict[str, Callable[..., Any]], install: bool) -> None:
+    for name, fn in ours.items():
+        if install:
+            _PATCHED.setdefault(name, getattr(cls, name))
+            setattr(cls, name, fn)
+        elif name in _PATCHED:
+            setattr(cls, name, _PATCHED.pop(name))
+
+
+_ON_IMPORT = {"accelerate.accelerator": _install_accelerate, "transformers.trainer": _install_trainer}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports accelerate's Accelerator module or transformers' Trainer module as the other finders would, then
+    puts ours in it: for a loop that first imports them inside a context (transformers imports its Trainer,
+    and with it accelerate, only when first used)."""
 
     def __init__(self) -> None:
-        self.inner: Any = None
+        self.inner: dict[str, Any] = {}
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _ACCELERATOR or self.inner is not None:
+        if name not in _ON_IMPORT or name in self.inner:
             return None
         for finder in sys.meta_path:
             spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
             if spec is not None and spec.loader is not None:
-                self.inner, spec.loader = spec.loader, self
+                self.inner[name], spec.loader = spec.loader, self
                 return spec
         return None
 
     def create_module(self, spec: Any) -> Any:
-        return self.inner.create_module(spec)
+        return self.inner[spec.name].create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        inner, self.inner = self.inner, None
+        inner = self.inner.pop(module.__name__)
         inner.exec_module(module)
         if _handles:
-            _install_accelerate(module, True)
+            _ON_IMPORT[module.__name__](module, True)
 
 
-_on_import = _AccelerateOnImport()
+_on_import = _PatchOnImport()
 
 
 def _ddp_init(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
@@ -256,11 +297,12 @@ def _install(functions: dict[str, Callable[..., Any]]) -> None:
     ours = functions is _OURS
     DistributedDataParallel.__init__ = _ddp_init if ours else _DDP["__init__"]  # type: ignore[method-assign,assignment]
     DistributedDataParallel.forward = _ddp_forward if ours else _DDP["forward"]  # type: ignore[method-assign,assignment]
-    if _ACCELERATOR in sys.modules:
-        _install_accelerate(sys.modules[_ACCELERATOR], ours)
+    for name, install in _ON_IMPORT.items():
+        if name in sys.modules:
+            install(sys.modules[name], ours)
     if _on_import in sys.meta_path:
         sys.meta_path.remove(_on_import)
-    if ours and _ACCELERATOR not in sys.modules:
+    if ours and any(name not in sys.modules for name in _ON_IMPORT):
         sys.meta_path.insert(0, _on_import)
 
 

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from tiermem.device import check_host
-from tiermem.distributed import Reducing, finish_scatter_sum, start_scatter_sum
+from tiermem.distributed import Reducing, finish_scatter_sum, gather_unit, start_scatter_sum
 from tiermem.errors import OptimizerError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.runtime.unit import Unit
@@ -941,31 +941,61 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     # -- torch's state_dict format ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The state in torch.optim's format (parameters numbered as in the original optimizer)."""
+        """The state in torch.optim's format (parameters numbered as in the original optimizer). With several
+        ranks every state tensor is whole, gathered from every rank's chunk: each rank must call it, as each
+        calls `tm.save_checkpoint` (HF Trainer's checkpoints are seen to: [Note: torch's loop helpers inside the
+        context])."""
+        return self._state_dict(keep=True)
+
+    def take_part_in_state_dict(self) -> None:
+        """With several ranks, take part in the gathers of another rank's `state_dict()`, keeping nothing."""
+        self._state_dict(keep=False)
+
+    def _state_dict(self, keep: bool) -> dict[str, Any]:
         self.flush()
         state: dict[int, dict[str, Any]] = {}
         for st in self.units:
-            if not st.steps:
+            if not st.steps:  # the same units on every rank: steps are counted per parameter
                 continue
-            views = self.swapper.acquire(st.state, Tier.HOST) if st.state is not None else {}
-            try:
-                for fqn, p, g in st.trainable:
-                    if fqn not in st.steps:
-                        continue
-                    group = self.param_groups[g]
-                    entry: dict[str, Any] = {**self._scalars(st, fqn, group),
-                                             **{k: views[f"{k}.{fqn}"].clone() for k in _state_of(self.kind, group)[0]}}
-                    if entry:  # torch keeps none for plain SGD
-                        state[self.index_of[id(p)]] = entry
-            finally:
-                if st.state is not None:
-                    self.swapper.release(st.state)
+            views = self._whole_state(st) if st.state is not None else {}
+            if not keep:
+                continue
+            for fqn, p, g in st.trainable:
+                if fqn not in st.steps:
+                    continue
+                group = self.param_groups[g]
+                entry: dict[str, Any] = {**self._scalars(st, fqn, group),
+                                         **{k: views[f"{k}.{fqn}"] for k in _state_of(self.kind, group)[0]}}
+                if entry:  # torch keeps none for plain SGD
+                    state[self.index_of[id(p)]] = entry
         groups = []
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
             saved["params"] = [self.index_of[id(p)] for p in group["params"]]
             groups.append(saved)
         return {"state": state, "param_groups": groups}
+
+    def _whole_state(self, st: Any) -> dict[str, torch.Tensor]:
+        """Copies of the unit's state tensors on the host, whole: with several ranks gathered from every rank."""
+        part = st.state
+        views = self.swapper.acquire(part, Tier.HOST)
+        try:
+            if not st.unit.ranks.sharded:
+                return {k: v.clone() for k, v in views.items()}
+            whole = self.state_whole_layout(st.unit.index)
+            out = torch.empty(whole.size, dtype=torch.uint8)
+            gather_unit(st.unit.ranks, part.flat(Tier.HOST), part.layout, whole, out)
+            return {k: v.clone() for k, v in whole.views(out).items()}  # each its own: one may be kept alone
+        finally:
+            self.swapper.release(part)
+
+    def state_whole_layout(self, unit_index: int) -> Layout:
+        """The layout of the unit's state partition with every tensor whole (with several ranks the partition
+        holds a chunk of each)."""
+        st = self.by_unit[unit_index]
+        shapes = dict(zip([f for f, _ in st.unit.params], st.unit.shapes, strict=True))
+        return Layout.of([(slot.name, torch.empty(shapes[slot.name.split(".", 1)[1]], dtype=slot.dtype, device="meta"))
+                          for slot in self.state_partition(unit_index).layout.slots])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch.optim-format state dict (e.g. from the original optimizer or `state_dict()`)."""
