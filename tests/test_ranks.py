@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -300,6 +301,13 @@ def test_two_ranks_train_as_one_process_on_both_batches(tmp_path, kind: str) -> 
             assert abs(got - one / 2) <= 0.05 * one / 2, (rank, got, one)
 
 
+def _tensor_bytes(folder: Path) -> int:
+    from tiermem.runtime.safetensors_io import SafetensorsCheckpoint
+
+    return sum(e.nbytes for index in folder.glob("*.safetensors.index.json")
+               for e in SafetensorsCheckpoint(index).entries.values())
+
+
 def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "manifest.json"}
 
@@ -339,8 +347,26 @@ def _load_and_save(rank: int, world: int, folder: Path, source: Path) -> None:
     opt = torch.optim.AdamW(_groups(model), lr=1e-3)
     with tiered_offload(model, optimizer=opt, **_offload_cfg(folder, rank, **{"memory.host_budget": "8MiB"})) as tm:
         tm.load_checkpoint(source)
+        (folder / f"read{rank}").write_text(str(tm.stats()["checkpoint_bytes_read"]))
         tm.save_checkpoint(folder / "again")
         _continue(model, tm, rank, world, folder)
+
+
+def _load_damaged(rank: int, world: int, folder: Path, source: Path) -> None:
+    """Load a checkpoint whose last tensor (checked by the last rank only) has a changed byte: every rank
+    raises, naming it, and nothing is loaded."""
+    from tiermem import tiered_offload
+    from tiermem.errors import CheckpointError
+
+    model = _gpt2().train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
+    with tiered_offload(model, optimizer=opt, **_offload_cfg(folder, rank, **{"memory.host_budget": "8MiB"})) as tm:
+        with pytest.raises(CheckpointError, match=r"optimizer-00001-of-00001.safetensors: tensor .* does not match"):
+            tm.load_checkpoint(source)
+        assert not tm.optimizer.state_dict()["state"]  # nothing loaded
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
 
 
 def _assert_continued_alike(got: Path, want: Path, bound: float) -> None:
@@ -372,6 +398,19 @@ def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None
     _assert_continued_alike(tmp_path / "one" / "continued0.pt", tmp_path / "two" / "continued0.pt", bound)
     run_ranks(_load_and_save, 2, tmp_path / "two-again", saved, timeout_s=120)  # the same ranks: bit for bit
     _assert_continued_alike(tmp_path / "two-again" / "continued0.pt", tmp_path / "two" / "continued0.pt", 0.0)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(saved, damaged)
+    with open(damaged / "optimizer-00001-of-00001.safetensors", "r+b") as f:  # the last byte of the last tensor
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    run_ranks(_load_damaged, 2, tmp_path / "damaged-load", damaged, timeout_s=120)
+    one = int((tmp_path / "one" / "read0").read_text())  # checked, then read: twice the tensors' bytes
+    assert one == 2 * _tensor_bytes(saved)
+    for rank in range(2):  # each rank checks a run of half the tensors' bytes, then reads its chunk of each
+        got = int((tmp_path / "two-again" / f"read{rank}").read_text())
+        assert abs(got - one / 2) <= 0.1 * one / 2, (rank, got, one)
 
     _save_after_steps(0, 1, tmp_path / "single")
     run_ranks(_load_and_save, 2, tmp_path / "back", tmp_path / "single" / "saved", timeout_s=120)

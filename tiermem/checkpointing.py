@@ -47,7 +47,11 @@ model and the optimizer as they were and raises CheckpointError naming the file 
 3. Every shard to load is read once, front to back in 4 MiB pieces, and the CRC-32 of each tensor in it
    compared with the manifest's (up to 4 shards at a time).
 Only then is anything loaded, unit by unit. So the checkpoint is read twice; the second read
-usually comes from the page cache, and its bytes are checked against the manifest again. An I/O error or
+usually comes from the page cache, and its bytes are checked against the manifest again. With N ranks each
+rank checks a run of 1/N of the tensors' bytes (in file order), taking the CRC-32 of each rank's chunk of
+them besides, and the ranks share what they found (an error found by any is raised by all); then each reads
+only its chunk of every tensor, checked against the CRC-32 taken of it. So each rank reads 1/N of the
+checkpoint twice. An I/O error or
 changed bytes in that second pass (a drive failing between the two) leave a partial load: it raises a
 CheckpointError that says so, and loading again (the checkpoint is unchanged) completes it. Making that
 pass all-or-nothing would need a second copy of everything loaded, in memory or in swap.
@@ -190,12 +194,14 @@ def _save(final: str, fill: Callable[[str], None]) -> str:
     return final
 
 
-def load_checkpoint(src: CheckpointContents, path: str | os.PathLike[str]) -> None:
-    """Load weights, buffers and optimizer state saved by `save_checkpoint`, all or nothing.
+def load_checkpoint(src: CheckpointContents, path: str | os.PathLike[str]) -> int:
+    """Load weights, buffers and optimizer state saved by `save_checkpoint`, all or nothing; return the bytes
+    read from its tensors (checking included).
 
     The whole checkpoint is checked first (files, shapes, checksums, trainer state; see [Note: checked
     loading]); a damaged or foreign one raises CheckpointError and changes nothing. Then it is read unit by
-    unit into the partitions, so memory stays within the host budget.
+    unit into the partitions, so memory stays within the host budget. With several ranks each rank checks
+    and reads 1/N of it (`_verify_checksums`).
     """
     folder = os.path.realpath(os.fspath(path))
     live = _settle(folder)
@@ -215,6 +221,7 @@ def load_checkpoint(src: CheckpointContents, path: str | os.PathLike[str]) -> No
         ) from exc
     finally:
         checked.close()
+    return checked.weights.bytes_read + (checked.states.bytes_read if checked.states is not None else 0)
 
 
 # -- model ------------------------------------------------------------------------------------------
@@ -632,14 +639,27 @@ class _Checked:
     states: SafetensorsCheckpoint | None = None  # the optimizer shards, when the optimizer state is loaded
     trainer: dict[str, Any] = field(default_factory=dict)  # trainer_state.json, when it is loaded
     crc32: dict[str, int] = field(default_factory=dict)  # tensor name -> its CRC-32 in the manifest
+    # with several ranks: tensor name -> the CRC-32 of each rank's chunk of it, taken in the check
+    chunks: dict[str, list[int]] = field(default_factory=dict)
 
     def read_into(self, reader: SafetensorsCheckpoint, engine: Any, name: str, target: torch.Tensor) -> None:
         """Read one tensor for loading, checked again against the manifest (the drive may return other bytes
         than in the check's read)."""
-        got = reader.read_into(engine, name, target)
-        if got != self.crc32[name]:
-            raise CheckpointError(f"tensor {name!r} read {got:08x}, not the {self.crc32[name]:08x} it was checked "
-                                  "with a moment ago: the drive returned other bytes")
+        self._same(name, reader.read_into(engine, name, target), self.crc32[name])
+
+    def read_mine(self, reader: SafetensorsCheckpoint, engine: Any, name: str, shape: tuple[int, ...], ranks: Ranks,
+                  target: torch.Tensor) -> None:
+        """Read this rank's chunk of one tensor into `target` (1-D, padded), checked against its CRC-32 taken in
+        the check."""
+        start, end = ranks.my_range(math.prod(shape))
+        got = reader.read_range_into(engine, name, shape, start, target[: end - start])
+        self._same(name, got, self.chunks[name][ranks.rank])
+
+    @staticmethod
+    def _same(name: str, got: int, want: int) -> None:
+        if got != want:
+            raise CheckpointError(f"tensor {name!r} read {got:08x}, not the {want:08x} it was checked with a moment "
+                                  "ago: the drive returned other bytes")
 
     def close(self) -> None:
         self.weights.close()
@@ -672,7 +692,9 @@ def _check(src: CheckpointContents, folder: str) -> _Checked:
         _check_model(src, weights)
         if src.optimizer is not None:
             _check_optimizer(src, folder, files, contents, checked)
-        _verify_checksums([r for r in (checked.weights, checked.states) if r is not None], files)
+        ranks = src.units[0].ranks if src.units else Ranks()
+        checked.chunks = _verify_checksums([r for r in (checked.weights, checked.states) if r is not None], files,
+                                           ranks)
         checked.crc32 = {name: crc for e in files.values() for name, crc in e.get("tensors", {}).items()}
     except BaseException:
         checked.close()
@@ -859,20 +881,52 @@ def _plain(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
 
 
-def _verify_checksums(readers: list[SafetensorsCheckpoint], files: dict[str, dict[str, Any]]) -> None:
-    """Read every tensor of the shards behind `readers` and compare its CRC-32 with the manifest's."""
-    shards = [(r, path) for r in readers for path in r.shards]
-    with ThreadPoolExecutor(max_workers=max(1, min(4, len(shards)))) as pool:  # zlib and reads release the GIL
-        sums = list(pool.map(lambda rp: rp[0].checksums(rp[1]), shards))
-    for (_, path), got in zip(shards, sums, strict=True):
-        want = files[os.path.basename(path)]["tensors"]
-        bad = [name for name in got if got[name] != want[name]]
-        if bad:
-            name = bad[0]
-            more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-            raise CheckpointError(f"{path}: tensor {name!r}{more} does not match its CRC-32 in {MANIFEST} (read "
-                                  f"{got[name]:08x}, saved {want[name]:08x}): its bytes were damaged after the "
-                                  "save. Nothing was loaded; use an intact copy of the checkpoint")
+def _verify_checksums(readers: list[SafetensorsCheckpoint], files: dict[str, dict[str, Any]],
+                      ranks: Ranks) -> dict[str, list[int]]:
+    """Read every tensor of the shards behind `readers` and compare its CRC-32 with the manifest's. With several
+    ranks each reads a 1/N run of the tensors (by bytes, in file order), and also takes the CRC-32 of each
+    rank's chunk of those; all ranks then share what they found (returned: tensor name -> its chunks'
+    CRC-32s), and every rank raises the first error any found, so each reads 1/N of the checkpoint to check
+    it and 1/N to load it."""
+    shards: list[tuple[SafetensorsCheckpoint, str, set[str] | None]] = [(r, path, None) for r in readers
+                                                                         for path in r.shards]
+    if ranks.sharded:  # this rank's run of the tensors, in file order
+        tensors = [(r, path, name, e.nbytes) for r, path, _ in shards
+                   for name, e in sorted(r.shards[path].items(), key=lambda kv: kv[1].offset)]
+        total, at = sum(t[3] for t in tensors), 0
+        picked: dict[str, tuple[SafetensorsCheckpoint, set[str]]] = {}
+        for r, path, name, nbytes in tensors:
+            if at * ranks.world // max(total, 1) == ranks.rank or (total == 0 and ranks.rank == 0):
+                picked.setdefault(path, (r, set()))[1].add(name)
+            at += nbytes
+        shards = [(r, path, names) for path, (r, names) in picked.items()]
+    parts = ranks.world if ranks.sharded else 1
+    found: dict[str, list[int]] = {}
+    error = None
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(4, len(shards)))) as pool:  # zlib and reads release the GIL
+            sums = list(pool.map(lambda rpn: rpn[0].checksums(rpn[1], parts, rpn[2]), shards))
+        for (_, path, _), got in zip(shards, sums, strict=True):
+            want = files[os.path.basename(path)]["tensors"]
+            bad = [name for name in got if got[name][0] != want[name]]
+            if bad:
+                name = bad[0]
+                more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+                raise CheckpointError(f"{path}: tensor {name!r}{more} does not match its CRC-32 in {MANIFEST} (read "
+                                      f"{got[name][0]:08x}, saved {want[name]:08x}): its bytes were damaged after "
+                                      "the save. Nothing was loaded; use an intact copy of the checkpoint")
+            found.update({name: crcs[1:] for name, crcs in got.items()})
+    except CheckpointError as exc:
+        if not ranks.sharded:
+            raise
+        error = str(exc)
+    if not ranks.sharded:
+        return {}
+    every = ranks.all_gather_object("sharing what checking the checkpoint found", (error, found))
+    errors = [e for e, _ in every if e is not None]
+    if errors:
+        raise CheckpointError(errors[0])
+    return {name: crcs for _, seen in every for name, crcs in seen.items()}
 
 
 # -- loading ------------------------------------------------------------------------------------------
@@ -923,6 +977,4 @@ def _read(checked: _Checked, reader: SafetensorsCheckpoint, engine: Any, name: s
     if not ranks.sharded:
         checked.read_into(reader, engine, name, target)
         return
-    whole = torch.empty(shape, dtype=target.dtype)
-    checked.read_into(reader, engine, name, whole)
-    ranks.keep_mine(whole, target)
+    checked.read_mine(reader, engine, name, shape, ranks, target.reshape(-1))

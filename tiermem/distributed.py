@@ -273,13 +273,18 @@ class Ranks:
 
         self._wait(self._run("a barrier", dist.barrier, async_op=True), "a barrier")
 
-    def check_same(self, what: str, value: str) -> None:
-        """Raise RanksError on every rank unless all ranks pass the same `value` (e.g. a config's text)."""
+    def all_gather_object(self, what: str, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), in rank order."""
         import torch.distributed as dist
 
-        digest = hashlib.sha256(value.encode()).hexdigest()[:16]
         every: list[Any] = [None] * self.world
-        self._run(f"comparing {what}", dist.all_gather_object, every, digest)
+        self._run(what, dist.all_gather_object, every, obj)
+        return every
+
+    def check_same(self, what: str, value: str) -> None:
+        """Raise RanksError on every rank unless all ranks pass the same `value` (e.g. a config's text)."""
+
+        every = self.all_gather_object(f"comparing {what}", hashlib.sha256(value.encode()).hexdigest()[:16])
         odd = [r for r, d in enumerate(every) if d != every[0]]
         if odd:
             raise RanksError(f"{what} differs between ranks: rank 0 and rank(s) {odd} disagree; every rank must "

@@ -103,7 +103,7 @@ class OffloadHandle:
         self._check_open("load_checkpoint")
         if self.optimizer is not None:
             self.optimizer.drop_pending()  # the loaded weights and state replace what a step recorded
-        load_checkpoint(self._contents(), path)
+        self.runtime.checkpoint_bytes_read += load_checkpoint(self._contents(), path)
 
     def _contents(self) -> CheckpointContents:
         return CheckpointContents(self.model, self.units, self.swapper, self.optimizer)
@@ -153,7 +153,8 @@ class OffloadHandle:
         ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_in_memory_bytes`` (kept there by
         activations.keep), ``activations_stall_seconds``, ``activations_peak_host_bytes``,
         ``activations_bytes_written`` and ``activations_bytes_read``. ``checkpoint_bytes_read``: what entry read
-        from ``checkpoint=`` (with several ranks, each rank reads only its chunks; not reset). The
+        from ``checkpoint=`` and ``load_checkpoint`` read, checking included (with several ranks each rank
+        reads about 1/N; not reset). The
         activations live in the same host cache as the parameters, so their bytes are also in ``bytes_read``,
         ``bytes_written`` and the ``host`` entries (``peak_bytes['host']`` is at most the host budget). With
         several ranks (zero otherwise): ``gathered_bytes`` (received by all-gathers), ``gather_wait_seconds``

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -75,7 +76,8 @@ class SafetensorsCheckpoint:
         else:
             self._read_header(self.path)
         self._files: dict[str, IOFile] = {}  # open shards, by path
-        self.bytes_read = 0  # by read_into and read_range_into
+        self.bytes_read = 0  # by read_into, read_range_into and checksums
+        self._counting = threading.Lock()  # checksums of several shards run on threads
 
     def _read_header(self, path: str) -> None:
         try:
@@ -128,14 +130,16 @@ class SafetensorsCheckpoint:
         return _crc32(self._read(e, e.offset, e.nbytes, target, engine))
 
     def read_range_into(self, engine: IOEngine, name: str, shape: tuple[int, ...], start: int,
-                        target: torch.Tensor) -> None:
+                        target: torch.Tensor) -> int:
         """Read elements start .. start + target.numel() of tensor `name` (of `shape`, taken flat) into `target`
-        (a CPU tensor), converting its dtype if needed: one rank's chunk, without reading the rest."""
+        (a CPU tensor), converting its dtype if needed: one rank's chunk, without reading the rest. Returns
+        the CRC-32 of the bytes as stored."""
         e = self._entry(name, tuple(shape))
         check_host(f"reading {name!r} from {e.path}", target)
         item = e.dtype.itemsize
-        if target.numel():
-            self._read(e, e.offset + start * item, target.numel() * item, target, engine)
+        if not target.numel():
+            return 0
+        return _crc32(self._read(e, e.offset + start * item, target.numel() * item, target, engine))
 
     def _entry(self, name: str, shape: tuple[int, ...]) -> Entry:
         e = self.entries[name]
@@ -159,24 +163,34 @@ class SafetensorsCheckpoint:
         target.copy_(tmp)
         return tmp
 
-    def checksums(self, path: str) -> dict[str, int]:
-        """The CRC-32 of each tensor's bytes in the file at `path` (one of `shards`), read front to back in
-        CHUNK-byte pieces, so memory stays small whatever the file's size."""
-        spans = sorted((e.offset, e.nbytes, name) for name, e in self.shards[path].items())
-        buf = memoryview(bytearray(min(CHUNK, max((n for _, n, _ in spans), default=1)) or 1))
-        out: dict[str, int] = {}
+    def checksums(self, path: str, parts: int = 1, names: set[str] | None = None) -> dict[str, list[int]]:
+        """The CRC-32 of each tensor's bytes in the file at `path` (one of `shards`; only those in `names` if
+        given), read front to back in CHUNK-byte pieces, so memory stays small whatever the file's size:
+        [whole], or with `parts` > 1 also that of each of the `parts` ranks' chunks of it, [whole, rank 0's,
+        rank 1's, ...] (a chunk past the tensor's end is empty: CRC 0)."""
+        spans = sorted((e.offset, e.nbytes, name, e.dtype.itemsize) for name, e in self.shards[path].items()
+                       if names is None or name in names)
+        buf = memoryview(bytearray(min(CHUNK, max((n for _, n, _, _ in spans), default=1)) or 1))
+        out: dict[str, list[int]] = {}
         try:
             with open(path, "rb", buffering=0) as f:
-                for offset, nbytes, name in spans:
+                for offset, nbytes, name, item in spans:
                     f.seek(offset)
-                    crc, left = 0, nbytes
-                    while left:
-                        got = f.readinto(buf[:min(left, len(buf))])
+                    step = -(-nbytes // item // parts) * item if parts > 1 else nbytes  # bytes of a rank's chunk
+                    crcs = [0] * (1 + (parts if parts > 1 else 0))
+                    done = 0
+                    while done < nbytes:
+                        want = min(nbytes - done, len(buf), step - done % step)  # not across a chunk's end
+                        got = f.readinto(buf[:want])
                         if not got:
                             raise CheckpointError(f"{path}: tensor {name!r} ends early; the file is truncated")
-                        crc = zlib.crc32(buf[:got], crc)
-                        left -= got
-                    out[name] = crc
+                        crcs[0] = zlib.crc32(buf[:got], crcs[0])
+                        if parts > 1:
+                            crcs[1 + done // step] = zlib.crc32(buf[:got], crcs[1 + done // step])
+                        done += got
+                    out[name] = crcs
+                    with self._counting:
+                        self.bytes_read += nbytes
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
         return out
