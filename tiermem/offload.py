@@ -374,7 +374,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             training can go on outside). Off by default: that state is often larger than RAM, and leaving
             must never need more memory than the parameters. To keep it, call ``tm.save_checkpoint(dir)``
             inside the context, or save ``optimizer.state_dict()`` there (inside, the original's
-            state_dict() and load_state_dict() are the tiers') and load it after.
+            state_dict() and load_state_dict() are the tiers') and load it after. With several ranks every
+            rank gets the whole state, gathered from all of them (not after the with-block raised).
         **overrides: dotted config keys, e.g. ``**{"prefetch.depth": 4}`` or ``prefetch__depth=4``.
 
     Yields:
@@ -397,9 +398,6 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     if refused is not None:
         raise OffloadError(refused)
     ranks = Ranks.of(process_group).for_entry()
-    if ranks.sharded and restore_optimizer:
-        raise OffloadError("restore_optimizer=True with several ranks: each rank holds only its chunks of the "
-                           "optimizer state; save it with tm.save_checkpoint(dir) instead")
     raised = False  # the with-block raised: with several ranks, exit cannot count on the others to gather
     config = _rank_paths(load_config(config, **overrides), ranks)
     # before the swapper: with nvme, the activations' buffer is carved out of the host pool it makes
