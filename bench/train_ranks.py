@@ -160,11 +160,80 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 sample["peak_host_bytes"] = st["peak_bytes"]["host"]
             samples.append(sample)
         out["steps_peak_rss_bytes"] = status_bytes("VmHWM") if out["peak_reset"] else None
+        if spec.get("checkpoint_dir"):
+            out["checkpoint"] = checkpoint_round_trip(spec, rank, tm, engine, model, opt)
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
     out["samples"] = samples
     dist.barrier()
+    return out
+
+
+def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any, model: Any,
+                          opt: Any) -> dict[str, Any]:
+    """Save the model and optimizer state as each tool's users do, then load it back, every rank timing both
+    (between barriers): tm.save_checkpoint / tm.load_checkpoint; DeepSpeed's engine.save_checkpoint /
+    load_checkpoint (its per-rank ZeRO files); DDP's rank 0 torch.save of both state dicts, every rank
+    torch.load + load_state_dict. Bytes read are tiermem's (stats()['checkpoint_bytes_read'])."""
+    import torch
+    import torch.distributed as dist
+
+    folder = os.path.join(spec["checkpoint_dir"], spec["variant"])
+    out: dict[str, Any] = {}
+    try:
+        dist.barrier()
+        t0 = time.perf_counter()
+        if tm is not None:
+            tm.save_checkpoint(folder)
+        elif engine is not None:
+            engine.save_checkpoint(folder)
+        elif rank == 0:
+            os.makedirs(folder, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, os.path.join(folder, "ckpt.pt"))
+        dist.barrier()
+        out["save_seconds"] = time.perf_counter() - t0
+        out["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+        read = tm.stats()["checkpoint_bytes_read"] if tm is not None else 0
+        t0 = time.perf_counter()
+        if tm is not None:
+            tm.load_checkpoint(folder)
+        elif engine is not None:
+            engine.load_checkpoint(folder)
+        else:
+            saved = torch.load(os.path.join(folder, "ckpt.pt"), weights_only=True)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+        dist.barrier()
+        out["load_seconds"] = time.perf_counter() - t0
+        if tm is not None:
+            out["bytes_read"] = tm.stats()["checkpoint_bytes_read"] - read
+    except Exception as exc:  # noqa: BLE001 - reported, the steps' figures stand
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def checkpoint_summary(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict[str, Any]]:
+    """Per variant: save and load seconds (the slowest rank's, mean over rounds), the checkpoint's bytes and,
+    for tiermem, the bytes each rank read to load it."""
+    out: dict[str, dict[str, Any]] = {}
+    for v in variants:
+        trips = [[r["checkpoint"] for r in run["ranks"] if "checkpoint" in r] for run in runs
+                 if run.get("variant") == v and "error" not in run]
+        trips = [t for t in trips if t]
+        if not trips:
+            continue
+        errors = [c["error"] for t in trips for c in t if "error" in c]
+        if errors:
+            out[v] = {"error": errors[0]}
+            continue
+        out[v] = {"save_seconds": _mean([max(c["save_seconds"] for c in t) for t in trips]),
+                  "load_seconds": _mean([max(c["load_seconds"] for c in t) for t in trips]),
+                  "bytes": trips[-1][0]["bytes"],
+                  "bytes_read_per_rank": [c.get("bytes_read") for c in trips[-1]]}
     return out
 
 
@@ -406,6 +475,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "tiermem's two ranks' 1.36 GB read and 1.49 GB written per 3.41 s step, measured here)")
     p.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait at most, before each launch, "
                    "for other processes to leave the CPUs idle (default 60; 0: do not wait)")
+    p.add_argument("--checkpoint", action="store_true", help="after the steps, save and load the model and "
+                   "optimizer state as each tool does, timed (under --swap-dir/checkpoint)")
     p.add_argument("--json", metavar="OUT.json", default=None)
     args = p.parse_args(argv)
     args.heads = args.heads or max(1, args.width // 64)
@@ -436,6 +507,7 @@ def main(argv: list[str]) -> int:
     print_system_header(f"train_ranks: {args.ranks} ranks", system, versions)
     base = {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": args.vocab, "seq": args.seq,
             "batch": args.batch, "warmup": args.warmup, "steps": args.steps, "ds_swap_dir": ds_swap,
+            "checkpoint_dir": os.path.join(args.swap_dir, "checkpoint") if args.checkpoint else None,
             "io_load": args.io_load_gbps, "io_dir": os.path.join(args.swap_dir, "fio-load"),
             "tiermem": {"device": "cpu", "params.tier": "nvme", "optimizer.tier": "nvme",
                         "memory.host_budget": args.host_budget, "nvme.paths": [os.path.join(tm_swap, "rank{rank}")],
@@ -471,9 +543,18 @@ def main(argv: list[str]) -> int:
     projection = project(summary["tiermem"], bandwidth, args.ranks) if "seconds_mean" in summary.get(
         "tiermem", {}) else None
     print_report(summary, verdict, losses, projection, args.ranks)
+    checkpoints = checkpoint_summary(runs, variants) if args.checkpoint else None
+    for v, c in (checkpoints or {}).items():
+        if "error" in c:
+            print(f"checkpoint, {LABELS[v]}: FAILED {c['error']}")
+        else:
+            read = ", ".join(f"{b / 1e6:.0f}" for b in c["bytes_read_per_rank"] if b is not None)
+            print(f"checkpoint, {LABELS[v]}: save {c['save_seconds']:.2f} s, load {c['load_seconds']:.2f} s, "
+                  f"{c['bytes'] / 1e9:.2f} GB" + (f", read per rank {read} MB" if read else ""))
     if args.json:
         write_json(args.json, {"system": system, "versions": versions, "args": vars(args), "bandwidth": bandwidth,
                                "summary": summary, "goals": verdict, "losses": losses, "projection": projection,
+                               "checkpoints": checkpoints,
                                "runs": runs, "seconds": time.perf_counter() - t_start,
                                "command": "python3 bench/train_ranks.py " + " ".join(argv)})
     return 0 if all("error" not in e for e in summary.values()) else 1
