@@ -87,7 +87,10 @@ def write(src: CheckpointContents, ranks: Ranks, base: str) -> str:
         buffers = f"lost: {exc}"
     config = getattr(src.model, "config", None)
     if config is not None and callable(getattr(config, "to_json_file", None)):
-        config.to_json_file(os.path.join(folder, CONFIG))
+        try:
+            config.to_json_file(os.path.join(folder, CONFIG))
+        except Exception as exc:  # noqa: BLE001 - the weights matter more; from_pretrained then needs one given
+            log.warning("tiermem rescue: the model's config could not be written (%s)", exc)
     manifest = {"format": "tiermem-rescue", "version": VERSION, "rank": ranks.rank, "world": ranks.world,
                 "files": written, "lost": lost, "buffers": buffers,
                 "trainer_state": trainer_state(src) if opt is not None else None}
