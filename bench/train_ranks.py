@@ -194,7 +194,7 @@ def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any,
         dist.barrier()
         out["save_seconds"] = time.perf_counter() - t0
         out["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
-        read = tm.stats()["checkpoint_bytes_read"] if tm is not None else 0
+        read = tm.stats().get("checkpoint_bytes_read") if tm is not None else None  # absent before d56fe4f
         t0 = time.perf_counter()
         if tm is not None:
             tm.load_checkpoint(folder)
@@ -206,7 +206,7 @@ def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any,
             opt.load_state_dict(saved["optimizer"])
         dist.barrier()
         out["load_seconds"] = time.perf_counter() - t0
-        if tm is not None:
+        if read is not None:
             out["bytes_read"] = tm.stats()["checkpoint_bytes_read"] - read
     except Exception as exc:  # noqa: BLE001 - reported, the steps' figures stand
         out["error"] = f"{type(exc).__name__}: {exc}"
