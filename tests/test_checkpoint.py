@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -361,3 +362,46 @@ def test_a_fault_while_loading_after_the_checks_says_so_and_a_second_load_comple
     saved, after = _files(tmp_path / "saved"), _files(tmp_path / "after")
     assert {k: v for k, v in saved.items() if k != "manifest.json"} == \
         {k: v for k, v in after.items() if k != "manifest.json"}
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+def test_the_staged_writer_writes_what_the_buffered_one_writes(tmp_path, monkeypatch, backend: str) -> None:
+    """SafetensorsWriter given an engine (two aligned stages written with O_DIRECT, the unaligned tail through
+    the page cache) writes the same bytes and CRC-32s as the buffered writer, for tensors of odd sizes that
+    cross the stages' ends, one larger than both stages together, and a file shorter than one stage; a disk
+    that fails a write gives a CheckpointError naming the file."""
+    from tests.faults import FaultyEngine
+    from tiermem.io.backends import available_backends, create_engine
+    from tiermem.runtime.safetensors_io import SafetensorsCheckpoint, SafetensorsWriter
+
+    if backend not in available_backends():
+        pytest.skip(f"{backend} is not usable here")
+    monkeypatch.setattr(SafetensorsWriter, "STAGE", 8192)
+    g = torch.Generator().manual_seed(0)
+    cases = {"many": [torch.randn(n, generator=g) for n in (3, 1000, 2047, 1, 5000, 0, 777)],
+             "short": [torch.randn(5, generator=g).half()]}
+    with create_engine(backend, block_size=4096, queue_depth=4) as engine:
+        for case, tensors in cases.items():
+            specs = [(f"t{k}", t.dtype, tuple(t.shape)) for k, t in enumerate(tensors)]
+            written = []
+            for use in (None, engine):
+                path = str(tmp_path / f"{case}-{'staged' if use else 'plain'}.safetensors")
+                writer = SafetensorsWriter(path, specs, {"k": "v"}, engine=use)
+                for (name, _, _), t in zip(specs, tensors, strict=True):
+                    writer.write(name, t)
+                writer.close()
+                written.append((Path(path).read_bytes(), writer.crc32, writer.size))
+            assert written[0] == written[1], case
+            assert len(written[0][0]) == written[0][2]
+            reader = SafetensorsCheckpoint(str(tmp_path / f"{case}-staged.safetensors"))
+            assert {n: c[0] for n, c in reader.checksums(reader.path).items()} == written[1][1]
+        faulty = FaultyEngine(engine)
+        faulty.fail("write", None, 28)
+        tensors = cases["many"]
+        specs = [(f"t{k}", t.dtype, tuple(t.shape)) for k, t in enumerate(tensors)]
+        writer = SafetensorsWriter(str(tmp_path / "full.safetensors"), specs, engine=faulty)
+        with pytest.raises(CheckpointError, match=r"full.safetensors: writing failed \(No space left on device\)"):
+            for (name, _, _), t in zip(specs, tensors, strict=True):
+                writer.write(name, t)  # the first stage's write fails when the second one fills
+            writer.close()
+        writer.discard()  # as _write_sharded does after a failed write: nothing left open

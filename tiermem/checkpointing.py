@@ -363,7 +363,9 @@ def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_sha
     for k, shard in enumerate(shards):
         name = f"{prefix}-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         specs = [(n, d, s) for n, d, s, _ in shard]
-        writer = SafetensorsWriter(os.path.join(folder, name), specs) if folder is not None else _NoWriter()
+        engine = src.swapper.engine if src is not None else None  # O_DIRECT through the swap's engine
+        writer: SafetensorsWriter | _NoWriter = (SafetensorsWriter(os.path.join(folder, name), specs, engine=engine)
+                                                 if folder is not None else _NoWriter())
         held: tuple[int, bool] | None = None  # (unit, state) of the partition acquired
         views: dict[str, torch.Tensor] = {}
         try:
