@@ -172,8 +172,9 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any, model: Any,
                           opt: Any) -> dict[str, Any]:
-    """Save the model and optimizer state as each tool's users do, then load it back, every rank timing both
-    (between barriers): tm.save_checkpoint / tm.load_checkpoint; DeepSpeed's engine.save_checkpoint /
+    """Save the model and optimizer state as each tool's users do, then load it back cold (the page cache
+    dropped, where this process may), every rank timing both (between barriers): tm.save_checkpoint /
+    tm.load_checkpoint; DeepSpeed's engine.save_checkpoint /
     load_checkpoint (its per-rank ZeRO files); DDP's rank 0 torch.save of both state dicts, every rank
     torch.load + load_state_dict. Bytes read are tiermem's (stats()['checkpoint_bytes_read'])."""
     import torch
@@ -194,6 +195,9 @@ def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any,
         dist.barrier()
         out["save_seconds"] = time.perf_counter() - t0
         out["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+        if rank == 0:  # a cold load for every tool, as after a restart: not from what the save left in the cache
+            out["cold"] = drop_page_cache()
+        dist.barrier()
         read = tm.stats().get("checkpoint_bytes_read") if tm is not None else None  # absent before d56fe4f
         t0 = time.perf_counter()
         if tm is not None:
@@ -214,6 +218,17 @@ def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any,
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def drop_page_cache() -> bool:
+    """Write back and drop the page cache (root only); whether it was dropped."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
 
 
 def checkpoint_summary(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict[str, Any]]:
@@ -476,7 +491,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait at most, before each launch, "
                    "for other processes to leave the CPUs idle (default 60; 0: do not wait)")
     p.add_argument("--checkpoint", action="store_true", help="after the steps, save and load the model and "
-                   "optimizer state as each tool does, timed (under --swap-dir/checkpoint)")
+                   "optimizer state as each tool does, timed (under --swap-dir/checkpoint; the load cold when "
+                   "run as root)")
     p.add_argument("--json", metavar="OUT.json", default=None)
     args = p.parse_args(argv)
     args.heads = args.heads or max(1, args.width // 64)

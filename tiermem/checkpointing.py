@@ -13,7 +13,9 @@ Layout of a checkpoint directory:
                                                  tensor's bytes, taken as they were written)
 
 The optimizer files and trainer_state.json are there when the checkpoint was saved with an optimizer.
-Weights are written one unit at a time, so memory stays within the host budget; transformers'
+Weights are written one unit at a time, so memory stays within the host budget, through the swap's I/O
+engine with O_DIRECT where the filesystem allows it (`SafetensorsWriter`'s two 4 MiB stages, 8 MiB
+besides the host budget while a shard is written); transformers'
 `from_pretrained(dir)` and `safetensors.torch.load_file` read the model shards directly (they do not
 look at manifest.json). The JSON files (indexes, trainer state, manifest) are written and read with
 aiofiles, concurrently. A directory without manifest.json is not a complete checkpoint: its save did not
