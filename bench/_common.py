@@ -177,9 +177,19 @@ def peak_rss_bytes() -> int:
 def reset_peak_rss() -> bool:
     """Restart this process's peak RSS (VmHWM) from its current RSS (Linux: write 5 to /proc/self/clear_refs);
     False where that is not allowed. ru_maxrss is not reset."""
+    return _write_proc("/proc/self/clear_refs", "5")
+
+
+def drop_page_cache() -> bool:
+    """Write back and drop the page cache (root only); whether it was dropped."""
+    os.sync()
+    return _write_proc("/proc/sys/vm/drop_caches", "3\n")
+
+
+def _write_proc(path: str, text: str) -> bool:
     try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
+        with open(path, "w", encoding="ascii") as f:
+            f.write(text)
         return True
     except OSError:
         return False

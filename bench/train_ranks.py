@@ -60,6 +60,7 @@ from typing import Any
 from _common import (  # bench/ is on sys.path when run as a script
     check_variants,
     describe_system,
+    drop_page_cache,
     engine_bandwidth,
     package_versions,
     peak_rss_bytes,
@@ -218,17 +219,6 @@ def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any,
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
     return out
-
-
-def drop_page_cache() -> bool:
-    """Write back and drop the page cache (root only); whether it was dropped."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def checkpoint_summary(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict[str, Any]]:
