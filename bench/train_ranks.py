@@ -199,7 +199,7 @@ def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any,
         if rank == 0:  # a cold load for every tool, as after a restart: not from what the save left in the cache
             out["cold"] = drop_page_cache()
         dist.barrier()
-        read = tm.stats().get("checkpoint_bytes_read") if tm is not None else None  # absent before d56fe4f
+        read = tm.stats().get("checkpoint_bytes_read") if tm is not None else None  # absent before ece209f
         t0 = time.perf_counter()
         if tm is not None:
             tm.load_checkpoint(folder)

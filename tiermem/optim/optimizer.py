@@ -44,6 +44,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -957,17 +958,17 @@ class TieredOptimizer(torch.optim.Optimizer):
         for st in self.units:
             if not st.steps:  # the same units on every rank: steps are counted per parameter
                 continue
-            views = self._whole_state(st) if st.state is not None else {}
-            if not keep:
-                continue
-            for fqn, p, g in st.trainable:
-                if fqn not in st.steps:
+            with self._whole_state(st) as views:
+                if not keep:
                     continue
-                group = self.param_groups[g]
-                entry: dict[str, Any] = {**self._scalars(st, fqn, group),
-                                         **{k: views[f"{k}.{fqn}"] for k in _state_of(self.kind, group)[0]}}
-                if entry:  # torch keeps none for plain SGD
-                    state[self.index_of[id(p)]] = entry
+                for fqn, p, g in st.trainable:
+                    if fqn not in st.steps:
+                        continue
+                    group = self.param_groups[g]
+                    entry: dict[str, Any] = {**self._scalars(st, fqn, group),
+                                             **{k: views[f"{k}.{fqn}"].clone() for k in _state_of(self.kind, group)[0]}}
+                    if entry:  # torch keeps none for plain SGD
+                        state[self.index_of[id(p)]] = entry
         groups = []
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
@@ -975,17 +976,22 @@ class TieredOptimizer(torch.optim.Optimizer):
             groups.append(saved)
         return {"state": state, "param_groups": groups}
 
-    def _whole_state(self, st: Any) -> dict[str, torch.Tensor]:
-        """Copies of the unit's state tensors on the host, whole: with several ranks gathered from every rank."""
+    @contextmanager
+    def _whole_state(self, st: Any) -> Iterator[dict[str, torch.Tensor]]:
+        """The unit's state tensors on the host, whole, while held (none without state): with several ranks
+        gathered from every rank into a temporary."""
         part = st.state
+        if part is None:
+            yield {}
+            return
         views = self.swapper.acquire(part, Tier.HOST)
         try:
-            if not st.unit.ranks.sharded:
-                return {k: v.clone() for k, v in views.items()}
-            whole = self.state_whole_layout(st.unit.index)
-            out = torch.empty(whole.size, dtype=torch.uint8)
-            gather_unit(st.unit.ranks, part.flat(Tier.HOST), part.layout, whole, out)
-            return {k: v.clone() for k, v in whole.views(out).items()}  # each its own: one may be kept alone
+            if st.unit.ranks.sharded:
+                whole = self.state_whole_layout(st.unit.index)
+                out = torch.empty(whole.size, dtype=torch.uint8)
+                gather_unit(st.unit.ranks, part.flat(Tier.HOST), part.layout, whole, out)
+                views = whole.views(out)
+            yield views
         finally:
             self.swapper.release(part)
 

@@ -227,8 +227,8 @@ class SafetensorsWriter:
 
     Given an engine, the bytes go through two aligned STAGE-byte buffers, each written with O_DIRECT (where
     the filesystem allows it) while the other fills, past the page cache: writing a new file through the page
-    cache ran at 0.33 GB/s on the machines these figures come from, O_DIRECT at 1.9 GB/s (docs/benchmarks.md,
-    "Checkpoints at 2 ranks"). Without one, plain buffered writes."""
+    cache ran at 0.32 GB/s on the machine these figures come from, O_DIRECT at 1.9 GB/s (docs/benchmarks.md,
+    "Checkpoint shards written with O_DIRECT, and cold loads"). Without one, plain buffered writes."""
 
     STAGE = 4 << 20
 
