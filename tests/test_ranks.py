@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
-from tiermem.distributed import Ranks, chunk_specs, finish_scatter_sum, gather_unit, start_scatter_sum
+from tiermem.distributed import (
+    Ranks,
+    _rows_to_whole,
+    _whole_to_rows,
+    chunk_specs,
+    finish_scatter_sum,
+    gather_unit,
+    start_scatter_sum,
+)
 from tiermem.swap import Layout
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,6 +66,23 @@ def test_a_unit_gathered_from_two_ranks_chunks_is_whole_and_gradients_reduce_to_
     """Each rank holds chunk r of every tensor; all-gathering gives every tensor whole on each rank, and
     reduce-scattering whole gradients leaves each rank the mean of its chunks, padding zero."""
     run_ranks(_gather_and_scatter, 2, tmp_path)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_tensor_split_into_rank_rows_and_joined_again_is_itself_with_the_padding_zero(world: int) -> None:
+    """The strided copies between a tensor whole and its ranks' rows (the last ones padded, or empty), for the
+    numbers of ranks no test spawns."""
+    for numel in (0, 1, world - 1, world, world + 1, 7 * world - 1, 101):
+        t = torch.randn(max(numel, 0))
+        n = -(-t.numel() // world)
+        rows = torch.full((world, n), float("nan"))
+        _whole_to_rows(t, rows)
+        want = torch.zeros(world * n)
+        want[: t.numel()] = t
+        assert torch.equal(rows.reshape(-1), want), (world, numel)
+        back = torch.full_like(t, float("nan"))
+        _rows_to_whole(rows, back)
+        assert torch.equal(back, t), (world, numel)
 
 
 def _offload_cfg(folder: Path, rank: int, **extra: object) -> dict[str, object]:

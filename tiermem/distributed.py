@@ -327,8 +327,29 @@ def finish_gather(ranks: Ranks, g: Gathering, chunks: Layout, full: Layout, out:
     ranks.wait(g.work)
     rows2 = g.rows.view(ranks.world, chunks.size)
     for c, f in zip(chunks.slots, full.slots, strict=True):
-        whole = rows2[:, c.offset : c.offset + c.nbytes].reshape(-1)  # rank 0's chunk, then rank 1's, ...
-        out[f.offset : f.offset + f.nbytes].copy_(whole[: f.nbytes])
+        _rows_to_whole(rows2[:, c.offset : c.offset + c.nbytes], out[f.offset : f.offset + f.nbytes])
+
+
+def _rows_to_whole(rows: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy `rows` (rank 0's chunk of a tensor, rank 1's, ...; the last ones padded) into the flat `whole`
+    in one strided copy, not through a contiguous temporary: the bytes are moved once."""
+    n = rows.shape[1]
+    full = whole.numel() // n if n else 0  # ranks whose chunk lies whole inside the tensor
+    whole[: full * n].view(full, n).copy_(rows[:full])
+    if full * n < whole.numel():
+        whole[full * n :].copy_(rows[full, : whole.numel() - full * n])
+
+
+def _whole_to_rows(whole: torch.Tensor, rows: torch.Tensor) -> None:
+    """The inverse of `_rows_to_whole`; the padding of the last rows is zeroed."""
+    n = rows.shape[1]
+    full = whole.numel() // n if n else 0
+    rows[:full].copy_(whole[: full * n].view(full, n))
+    if full < rows.shape[0]:
+        rest = whole.numel() - full * n
+        rows[full, :rest].copy_(whole[full * n :])
+        rows[full, rest:].zero_()
+        rows[full + 1 :].zero_()
 
 
 def gather_unit(ranks: Ranks, mine: torch.Tensor, chunks: Layout, full: Layout, out: torch.Tensor) -> None:
@@ -348,16 +369,19 @@ def start_scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layo
     """Start reduce-scattering whole tensors (by name; `whole` is emptied as they are laid out, so each goes
     as soon as it is copied) into `out` (fp32 bytes laid out as `chunks`): once `finish_scatter_sum` returns,
     it holds this rank's chunk of each, averaged over the ranks. Names missing from `whole` count as zeros."""
-    rows = torch.zeros(ranks.world, chunks.size // 4, dtype=torch.float32, device=out.device)
+    rows = torch.empty(ranks.world, chunks.size // 4, dtype=torch.float32, device=out.device)
+    end = 0
     for c in chunks.slots:
+        start, n = c.offset // 4, c.nbytes // 4
+        rows[:, end:start].zero_()  # the gaps between tensors' chunks are summed too
+        end = start + n
         g = whole.pop(c.name, None)
         if g is None:
-            continue
-        flat, n, start = g.reshape(-1), c.nbytes // 4, c.offset // 4
-        for r in range(ranks.world):  # rank r's chunk of the tensor; the padding stays zero
-            piece = flat[r * n : (r + 1) * n]
-            rows[r, start : start + piece.numel()].copy_(piece)
-        del g, flat
+            rows[:, start:end].zero_()
+        else:
+            _whole_to_rows(g.reshape(-1), rows[:, start:end])  # rank r's chunk into row r; padding zeroed
+        del g
+    rows[:, end:].zero_()
     return Reducing(rows, ranks.start_reduce_scatter(_fp32(out, chunks), rows.view(-1)))
 
 
