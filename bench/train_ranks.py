@@ -177,7 +177,8 @@ def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any,
     dropped, where this process may), every rank timing both (between barriers): tm.save_checkpoint /
     tm.load_checkpoint; DeepSpeed's engine.save_checkpoint /
     load_checkpoint (its per-rank ZeRO files); DDP's rank 0 torch.save of both state dicts, every rank
-    torch.load + load_state_dict. Bytes read are tiermem's (stats()['checkpoint_bytes_read'])."""
+    torch.load + load_state_dict. Bytes written and read are tiermem's (stats()['checkpoint_bytes_written'] and
+    ['checkpoint_bytes_read'])."""
     import torch
     import torch.distributed as dist
 
@@ -199,6 +200,8 @@ def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any,
         if rank == 0:  # a cold load for every tool, as after a restart: not from what the save left in the cache
             out["cold"] = drop_page_cache()
         dist.barrier()
+        if tm is not None and "checkpoint_bytes_written" in tm.stats():  # absent before each rank wrote its chunks
+            out["bytes_written"] = tm.stats()["checkpoint_bytes_written"]
         read = tm.stats().get("checkpoint_bytes_read") if tm is not None else None  # absent before ece209f
         t0 = time.perf_counter()
         if tm is not None:
@@ -238,7 +241,8 @@ def checkpoint_summary(runs: list[dict[str, Any]], variants: list[str]) -> dict[
         out[v] = {"save_seconds": _mean([max(c["save_seconds"] for c in t) for t in trips]),
                   "load_seconds": _mean([max(c["load_seconds"] for c in t) for t in trips]),
                   "bytes": trips[-1][0]["bytes"],
-                  "bytes_read_per_rank": [c.get("bytes_read") for c in trips[-1]]}
+                  "bytes_read_per_rank": [c.get("bytes_read") for c in trips[-1]],
+                  "bytes_written_per_rank": [c.get("bytes_written") for c in trips[-1]]}
     return out
 
 
@@ -555,8 +559,10 @@ def main(argv: list[str]) -> int:
             print(f"checkpoint, {LABELS[v]}: FAILED {c['error']}")
         else:
             read = ", ".join(f"{b / 1e6:.0f}" for b in c["bytes_read_per_rank"] if b is not None)
+            wrote = ", ".join(f"{b / 1e6:.0f}" for b in c.get("bytes_written_per_rank", []) if b is not None)
             print(f"checkpoint, {LABELS[v]}: save {c['save_seconds']:.2f} s, load {c['load_seconds']:.2f} s, "
-                  f"{c['bytes'] / 1e9:.2f} GB" + (f", read per rank {read} MB" if read else ""))
+                  f"{c['bytes'] / 1e9:.2f} GB" + (f", written per rank {wrote} MB" if wrote else "")
+                  + (f", read per rank {read} MB" if read else ""))
     if args.json:
         write_json(args.json, {"system": system, "versions": versions, "args": vars(args), "bandwidth": bandwidth,
                                "summary": summary, "goals": verdict, "losses": losses, "projection": projection,

@@ -365,6 +365,61 @@ def test_a_fault_while_loading_after_the_checks_says_so_and_a_second_load_comple
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "threads"])
+def test_ranges_written_by_several_writers_make_the_file_one_writer_makes(tmp_path, monkeypatch, backend: str) -> None:
+    """SafetensorsRangeWriter: three writers (as three ranks) each write their chunk of every tensor, in an order
+    of their own, with chunk ends inside 4 KiB blocks and 8 KiB stages, middles with O_DIRECT; the file and the
+    CRC-32s joined with crc32_combine equal SafetensorsWriter's. A write outside a tensor is refused, and a
+    disk that fails a write gives a CheckpointError naming the file."""
+    from tests.faults import FaultyEngine
+    from tiermem.checkpointing import crc32_combine
+    from tiermem.io.backends import available_backends, create_engine
+    from tiermem.runtime.safetensors_io import SafetensorsRangeWriter, SafetensorsWriter
+
+    if backend not in available_backends():
+        pytest.skip(f"{backend} is not usable here")
+    monkeypatch.setattr(SafetensorsRangeWriter, "STAGE", 8192)
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=g) for n in (3, 1000, 5003, 1, 9000, 0, 777, 3072)]
+    specs = [(f"t{k}", t.dtype, tuple(t.shape)) for k, t in enumerate(tensors)]
+    whole = SafetensorsWriter(str(tmp_path / "one.safetensors"), specs)
+    for (name, _, _), t in zip(specs, tensors, strict=True):
+        whole.write(name, t)
+    whole.close()
+    path = str(tmp_path / "ranks.safetensors")
+    world = 3
+    with create_engine(backend, block_size=4096, queue_depth=4) as engine:
+        assert SafetensorsRangeWriter.create(path, specs) == whole.header_crc32
+        writers = [SafetensorsRangeWriter(path, specs, engine) for _ in range(world)]
+        crcs: dict[str, list[tuple[int, int]]] = {name: [] for name, _, _ in specs}
+        for r in (2, 0, 1):
+            order = list(zip(specs, tensors, strict=True))
+            for (name, _, _), t in order[::-1] if r == 1 else order:
+                c = -(-t.numel() // world)
+                piece = t[r * c : (r + 1) * c]
+                crc = writers[r].write(name, r * c * 4, piece) if piece.numel() else 0
+                crcs[name].append((r, crc, piece.numel() * 4))
+        for w in writers:
+            w.close()
+        assert Path(path).read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+        for name, pieces in crcs.items():
+            joined = 0
+            for _, crc, n in sorted(pieces):
+                joined = crc32_combine(joined, crc, n)
+            assert joined == whole.crc32[name], name
+        assert sum(w.bytes_written for w in writers) == sum(t.numel() * 4 for t in tensors)
+        writer = SafetensorsRangeWriter(path, specs, engine)
+        with pytest.raises(CheckpointError, match=r"outside tensor 't0'"):
+            writer.write("t0", 4, tensors[0])
+        writer.close()
+        writer = SafetensorsRangeWriter(path, specs, FaultyEngine(engine))
+        writer._engine.fail("write", None, 28)  # type: ignore[union-attr]
+        with pytest.raises(CheckpointError, match=r"ranks.safetensors: writing failed \(No space left on device\)"):
+            writer.write("t4", 0, tensors[4])  # 36 KB: its aligned middle goes through the engine
+            writer.close()
+        writer.discard()
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
 def test_the_staged_writer_writes_what_the_buffered_one_writes(tmp_path, monkeypatch, backend: str) -> None:
     """SafetensorsWriter given an engine (two aligned stages written with O_DIRECT, the unaligned tail through
     the page cache) writes the same bytes and CRC-32s as the buffered writer, for tensors of odd sizes that

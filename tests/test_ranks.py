@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
+from tests.test_disk_faults import ext4_mount as ext4_mount  # a fixture  # noqa: PLC0414
+from tests.test_disk_faults import free_bytes
 from tiermem.distributed import (
     Ranks,
     _rows_to_whole,
@@ -347,6 +349,10 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "manifest.json"}
 
 
+def _manifest(folder: Path) -> dict[str, object]:
+    return json.loads((folder / "manifest.json").read_text())
+
+
 SAVED_AT, CONTINUED_TO = 3, 6  # steps
 
 
@@ -369,6 +375,7 @@ def _save_after_steps(rank: int, world: int, folder: Path) -> None:
         _train(model, tm.optimizer, _batches(rank if world > 1 else None)[: SAVED_AT * ACCUMULATE], tm.backward,
                tm.clip_grad_norm_)
         tm.save_checkpoint(folder / "saved")
+        (folder / f"written{rank}").write_text(str(tm.stats()["checkpoint_bytes_written"]))
         with tm.gathered(model), torch.no_grad():
             torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, folder / f"params{rank}.pt")
         _continue(model, tm, rank, world, folder)
@@ -428,7 +435,12 @@ def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None
         for name, value in torch.load(tmp_path / "two" / f"params{rank}.pt").items():
             assert torch.equal(loaded[name], value), (rank, name)
     _load_and_save(0, 1, tmp_path / "one", saved)
-    assert _files(tmp_path / "one" / "again") == _files(saved)
+    assert _files(tmp_path / "one" / "again") == _files(saved)  # each rank wrote its chunks of the same files
+    assert _manifest(tmp_path / "one" / "again") == _manifest(saved)  # the CRC-32s of the chunks joined
+    total = _tensor_bytes(saved)
+    for rank in range(2):  # each rank wrote its chunks, about half ([Note: each rank writes its own chunks])
+        got = int((tmp_path / "two" / f"written{rank}").read_text())
+        assert abs(got - total / 2) <= 0.05 * total, (rank, got, total)
     bound = 2 * _adam_gap(CONTINUED_TO)
     _assert_continued_alike(tmp_path / "one" / "continued0.pt", tmp_path / "two" / "continued0.pt", bound)
     run_ranks(_load_and_save, 2, tmp_path / "two-again", saved, timeout_s=120)  # the same ranks: bit for bit
@@ -448,11 +460,75 @@ def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None
         assert abs(got - one / 2) <= 0.1 * one / 2, (rank, got, one)
 
     _save_after_steps(0, 1, tmp_path / "single")
+    assert int((tmp_path / "single" / "written0").read_text()) == _tensor_bytes(tmp_path / "single" / "saved")
     run_ranks(_load_and_save, 2, tmp_path / "back", tmp_path / "single" / "saved", timeout_s=120)
     assert _files(tmp_path / "back" / "again") == _files(tmp_path / "single" / "saved")
     for rank in range(2):
         _assert_continued_alike(tmp_path / "back" / f"continued{rank}.pt", tmp_path / "single" / "continued0.pt",
                                 bound)
+
+
+def _save_twice(rank: int, world: int, folder: Path, target: str, case: str) -> None:
+    """Train a step and save into `target`; then, with `case` "unshared", save again with rank 1 not seeing the
+    folder rank 0 made; with "full", fill the drive and save again, which must fail on both ranks."""
+    import hashlib
+
+    from tiermem import checkpointing, tiered_offload
+    from tiermem.errors import CheckpointError
+
+    model = _gpt2().train()
+    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
+    ckpt = Path(target) / "ckpt"
+    with tiered_offload(model, optimizer=opt, **_offload_cfg(folder, rank, **{"memory.host_budget": "8MiB"})) as tm:
+        _train(model, tm.optimizer, _batches(rank)[:ACCUMULATE], tm.backward, tm.clip_grad_norm_)
+        tm.save_checkpoint(ckpt)
+        first = tm.stats()["checkpoint_bytes_written"]
+        digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt.iterdir()}
+        _train(model, tm.optimizer, _batches(rank)[ACCUMULATE : 2 * ACCUMULATE], tm.backward, tm.clip_grad_norm_)
+        if case == "unshared":
+            if rank == 1:  # looks for another name: as a rank on a machine that does not see rank 0's folder
+                checkpointing._MARK = ".not-this-one-"
+            tm.save_checkpoint(ckpt)
+            again = tm.stats()["checkpoint_bytes_written"] - first
+            (folder / f"written{rank}").write_text(f"{first} {again}")
+            with tm.gathered(model), torch.no_grad():
+                torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, folder / f"params{rank}.pt")
+            return
+        if rank == 0:  # leave the drive less than half of what the next save needs
+            with open(Path(target) / "filler", "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, max(free_bytes(target) - first // 2, 1))
+        with pytest.raises(CheckpointError, match=r"writing failed \(No space left on device\).*Free space"):
+            tm.save_checkpoint(ckpt)
+        assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt.iterdir()} == digest
+        assert not [p for p in Path(target).iterdir() if ".tmp-" in p.name]  # the new folder was removed
+        (folder / f"raised{rank}").write_text("yes")
+
+
+def test_two_ranks_that_do_not_see_one_folder_save_through_rank_0(tmp_path) -> None:
+    """When a rank does not see the folder rank 0 made (machines without a shared filesystem), rank 0 writes
+    every byte, gathered, and the checkpoint is the one the ranks would have written each their chunks of."""
+    from transformers import GPT2LMHeadModel
+
+    run_ranks(_save_twice, 2, tmp_path / "ranks", str(tmp_path), "unshared", timeout_s=120)
+    total = _tensor_bytes(tmp_path / "ckpt")
+    (first0, again0), (first1, again1) = (
+        map(int, (tmp_path / "ranks" / f"written{r}").read_text().split()) for r in range(2))
+    assert abs(first0 - total / 2) <= 0.05 * total and abs(first1 - total / 2) <= 0.05 * total  # shared at first
+    assert (again0, again1) == (total, 0)  # then rank 0 alone
+    loaded = dict(GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt").named_parameters())
+    for name, value in torch.load(tmp_path / "ranks" / "params1.pt").items():
+        assert torch.equal(loaded[name], value), name
+
+
+def test_a_full_drive_fails_a_two_rank_save_on_both_ranks_and_the_old_checkpoint_stays(tmp_path, ext4_mount) -> None:
+    """A real ext4 filesystem with room for one checkpoint: the second save, with the drive filled, raises on
+    both ranks a CheckpointError naming the cause and the fix; the first checkpoint is unchanged and loads."""
+    from transformers import GPT2LMHeadModel
+
+    target = ext4_mount(48 << 20)
+    run_ranks(_save_twice, 2, tmp_path / "ranks", target, "full", timeout_s=120)
+    assert all((tmp_path / "ranks" / f"raised{r}").exists() for r in range(2))
+    GPT2LMHeadModel.from_pretrained(Path(target) / "ckpt")
 
 
 def _one_rank_raises(rank: int, world: int, folder: Path, stays: bool) -> None:

@@ -57,6 +57,24 @@ checkpoint twice. An I/O error or
 changed bytes in that second pass (a drive failing between the two) leave a partial load: it raises a
 CheckpointError that says so, and loading again (the checkpoint is unchanged) completes it. Making that
 pass all-or-nothing would need a second copy of everything loaded, in memory or in swap.
+
+# [Note: each rank writes its own chunks]
+With N ranks, rank r holds chunk r of every tensor: elements [r*c, (r+1)*c) with c = ceil(numel / N), one
+contiguous run of the tensor's bytes in a safetensors file. So when every rank sees the folder the save
+writes into (one machine, or a filesystem the machines share), nothing is gathered:
+1. Rank 0 makes the new folder `<path>.tmp-<PID>` and a file in it named by a random token; every rank looks
+   for it. If any rank does not see it, rank 0 writes the whole checkpoint from tensors gathered unit by
+   unit (logged).
+2. Rank 0 makes each shard, with its header and its whole length (sparse), and config.json.
+3. Each rank writes its chunks of every tensor at their place in the shards (`SafetensorsRangeWriter`), the
+   persistent buffers (the same on every rank) by rank 0, and fsyncs what it wrote. Each rank reads only its
+   own partitions; there is no collective until the end, so the ranks write at once.
+4. The ranks give rank 0 their CRC-32s (or their errors: then every rank raises and the folder is removed, the
+   checkpoint at `path` untouched). Rank 0 joins the CRC-32s of each tensor's chunks in rank order
+   (`crc32_combine`) and writes the indexes, trainer_state.json and manifest.json, and puts the folder in
+   place; the ranks return after it has.
+The files are the ones rank 0 alone would write, byte for byte; `load_checkpoint`, `from_pretrained` and a
+different number of ranks read them as ever. Each rank writes about 1/N of the bytes.
 """
 
 from __future__ import annotations
@@ -70,6 +88,7 @@ import math
 import os
 import platform
 import re
+import secrets
 import shutil
 import sys
 import zlib
@@ -87,7 +106,7 @@ from tiermem.distributed import Ranks, gather_unit
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.io.aio import read_bytes
 from tiermem.optim import StateTensor, TieredOptimizer
-from tiermem.runtime.safetensors_io import SafetensorsCheckpoint, SafetensorsWriter
+from tiermem.runtime.safetensors_io import SafetensorsCheckpoint, SafetensorsRangeWriter, SafetensorsWriter, _header
 from tiermem.runtime.unit import Unit
 from tiermem.swap import Partition, TensorSwapper, Tier
 
@@ -138,8 +157,10 @@ T = TypeVar("T")
 
 
 def save_checkpoint(src: CheckpointContents, path: str | os.PathLike[str], max_shard_bytes: int = DEFAULT_SHARD, *,
-                    adapters_only: bool = False) -> str:
-    """Write model weights, buffers and optimizer state to the directory `path`; return its absolute path.
+                    adapters_only: bool = False) -> tuple[str, int]:
+    """Write model weights, buffers and optimizer state to the directory `path`; return its absolute path and
+    the bytes of tensors this process wrote (with several ranks, its chunks: see [Note: each rank writes its
+    own chunks]).
 
     `path` holds a complete checkpoint at every moment: the old one until the new one has replaced it in
     one step (see [Note: replacing a checkpoint]). Shards are at most `max_shard_bytes` (unless one tensor
@@ -148,18 +169,12 @@ def save_checkpoint(src: CheckpointContents, path: str | os.PathLike[str], max_s
     """
     final = os.path.realpath(os.fspath(path))
     ranks = src.units[0].ranks if src.units else Ranks()
-    if ranks.sharded and not adapters_only:  # whole tensors, gathered by all ranks and written by rank 0
-        if ranks.rank != 0:
-            _write(src, None, max_shard_bytes)
-            ranks.barrier()  # returns once rank 0 has put the checkpoint in place
-            return final
-        try:
-            return _save(final, lambda tmp: _write(src, tmp, max_shard_bytes))
-        finally:
-            ranks.barrier()
+    if ranks.sharded and not adapters_only:
+        return _save_ranked(src, final, ranks, max_shard_bytes)
     if adapters_only:
-        return _save(final, lambda tmp: _write_adapters(src, tmp))
-    return _save(final, lambda tmp: _write(src, tmp, max_shard_bytes))
+        return _save(final, lambda tmp: _write_adapters(src, tmp)), 0
+    written: list[int] = []
+    return _save(final, lambda tmp: written.append(_write(src, tmp, max_shard_bytes))), sum(written)
 
 
 def write_checkpoint(path: str | os.PathLike[str], model: list[Spec], optimizer: list[Spec] | None = None,
@@ -194,6 +209,225 @@ def _save(final: str, fill: Callable[[str], None]) -> str:
         shutil.rmtree(tmp, ignore_errors=True)  # the unfinished new one, or the old one after an exchange
         raise
     return final
+
+
+def _save_ranked(src: CheckpointContents, final: str, ranks: Ranks, max_shard_bytes: int) -> tuple[str, int]:
+    """`save_checkpoint` on every rank of a sharded context (see [Note: each rank writes its own chunks]). A
+    failure is raised by every rank: those found while writing are shared at the end of it, and rank 0's
+    before it has a folder or while it puts the folder in place are told to the others, who wait for it."""
+    written: list[int] = []
+    stage = ["before"]  # rank 0: "before" the others are told the folder, "writing", "after" every write
+
+    def write(folder: str | None) -> None:
+        shared = _shared_folder(ranks, folder)
+        stage[0] = "writing"
+        if shared is not None:
+            n, finish = _write_by_ranks(src, shared, ranks, max_shard_bytes)
+        else:  # rank 0 writes whole tensors, gathered by all ranks
+            n, finish = _write(src, folder, max_shard_bytes), None
+        written.append(n)
+        stage[0] = "after"
+        if finish is not None:
+            _finish_folder(shared, *finish)  # type: ignore[arg-type]
+
+    if ranks.rank != 0:
+        write(None)
+        _agree(ranks, "waiting for rank 0 to put the checkpoint in place", None)
+        return final, sum(written)
+    try:
+        path = _save(final, write)
+    except _Told:
+        raise  # every rank raises it
+    except BaseException as exc:
+        told = _failed_save(exc, final)
+        if stage[0] == "before":  # the others wait for the folder's name
+            _shared_folder(ranks, None, error=told)
+        elif stage[0] == "after":  # they wait to hear that the checkpoint is in place
+            _agree(ranks, "waiting for rank 0 to put the checkpoint in place", f"rank 0: {told}")
+        if isinstance(exc, OSError):
+            raise CheckpointError(told) from exc
+        raise
+    _agree(ranks, "waiting for rank 0 to put the checkpoint in place", None)
+    return path, sum(written)
+
+
+def _failed_save(exc: BaseException, where: str) -> str:
+    """What a failed save says: for an OSError, the file, the cause and the fix."""
+    if not isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {exc}"
+    fix = ("Free space on that drive, or save elsewhere" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
+           "Check that the folder can be written, or save elsewhere")
+    return (f"{exc.filename or where}: {exc.strerror or exc}; a checkpoint already at the path the save was given "
+            f"is left as it was. {fix}")
+
+
+class _Told(CheckpointError):
+    """An error every rank raises, having agreed on it in a collective."""
+
+
+_MARK = ".tiermem-ranks-"
+
+
+def _shared_folder(ranks: Ranks, folder: str | None, error: str | None = None) -> str | None:
+    """Rank 0 passes the new checkpoint's folder, the others None: the folder when every rank sees it (one
+    filesystem), else None. `error`, from rank 0: its save failed before it had a folder; every rank raises."""
+    token = mark = None
+    if ranks.rank == 0 and folder is not None:
+        token = secrets.token_hex(8)
+        mark = os.path.join(folder, _MARK + token)
+        try:
+            with open(mark, "w", encoding="utf-8") as f:
+                f.write(token)
+        except OSError as exc:
+            error, mark = _failed_save(exc, folder), None
+    every = ranks.all_gather_object("starting a checkpoint's save", (folder, token, error) if ranks.rank == 0 else None)
+    folder, token, error = every[0]
+    if error is not None:
+        raise _Told(f"rank 0 could not start saving the checkpoint: {error}")
+    try:
+        with open(os.path.join(folder, _MARK + token), encoding="utf-8") as f:
+            sees = f.read() == token
+    except OSError:
+        sees = False
+    seen = ranks.all_gather_object("checking that every rank sees the checkpoint's folder", sees)
+    if mark is not None:
+        os.remove(mark)
+        if not all(seen):
+            log.info("ranks %s do not see %s (not one filesystem): rank 0 writes the whole checkpoint, gathered",
+                     [r for r, ok in enumerate(seen) if not ok], folder)
+    return folder if all(seen) else None
+
+
+def _write_by_ranks(src: CheckpointContents, folder: str, ranks: Ranks, max_shard_bytes: int
+                    ) -> tuple[int, tuple[dict[str, dict[str, Any]], dict[str, bytes]] | None]:
+    """Write this rank's chunks of every tensor into the shards in `folder`, which every rank sees (rank 0 also
+    config.json and the buffers). Returns the bytes this rank wrote and, on rank 0, what `_finish_folder` writes
+    then: the shards' manifest entries and the JSON files."""
+    groups = [("model", list(_model_tensors(src)))]
+    if src.optimizer is not None:
+        groups.append(("optimizer", list(_optimizer_tensors(src))))
+    plans = [(prefix, tensors, _plan_shards(prefix, tensors, max_shard_bytes)) for prefix, tensors in groups]
+    error = None
+    if ranks.rank == 0:
+        try:
+            _save_config(src, folder)
+            for _, _, shards in plans:
+                for name, shard in shards:
+                    SafetensorsRangeWriter.create(os.path.join(folder, name), [(n, d, s) for n, d, s, _ in shard])
+        except (OSError, TiermemError) as exc:
+            error = f"rank 0: {_failed_save(exc, folder) if isinstance(exc, OSError) else exc}"
+    _agree(ranks, "making the checkpoint's shards", error)
+    crcs: dict[str, tuple[int, int]] = {}  # tensor -> (CRC-32, bytes) of this rank's chunk
+    written, error = 0, None
+    try:
+        for _, _, shards in plans:
+            for name, shard in shards:
+                written += _write_my_chunks(src, os.path.join(folder, name), shard, ranks, crcs)
+    except (OSError, TiermemError) as exc:  # a failed read of a partition is a TiermemError naming its drive
+        error = f"rank {ranks.rank}: {_failed_save(exc, folder) if isinstance(exc, OSError) else exc}"
+    every = ranks.all_gather_object("finishing the checkpoint's shards", (error, crcs))
+    _agree(ranks, None, *(e for e, _ in every))
+    if ranks.rank != 0:
+        return written, None
+    files: dict[str, dict[str, Any]] = {}
+    small: dict[str, bytes] = {}
+    for prefix, tensors, shards in plans:
+        weight_map = {}
+        for name, shard in shards:
+            joined = {}
+            for tname, *_ in shard:
+                weight_map[tname] = name
+                crc = 0
+                for _, theirs in every:  # rank order: the tensor's bytes in file order
+                    if tname in theirs:
+                        crc = crc32_combine(crc, *theirs[tname])
+                joined[tname] = crc
+            head, _, size = _header([(n, d, s) for n, d, s, _ in shard])
+            files[name] = {"bytes": size, "header_crc32": zlib.crc32(head), "tensors": joined}
+        small[MODEL_INDEX if prefix == "model" else OPTIMIZER_INDEX] = _index(tensors, weight_map)
+    if src.optimizer is not None:
+        small[TRAINER_STATE] = _dumps(trainer_state(src))
+    return written, (files, small)
+
+
+def _write_my_chunks(src: CheckpointContents, path: str, shard: list[Spec], ranks: Ranks,
+                     crcs: dict[str, tuple[int, int]]) -> int:
+    writer = SafetensorsRangeWriter(path, [(n, d, s) for n, d, s, _ in shard], src.swapper.engine)
+    held: Partition | None = None
+    try:
+        for tname, _, shape, source in shard:
+            if isinstance(source, torch.Tensor):  # a buffer, whole on every rank
+                if ranks.rank == 0:
+                    crcs[tname] = (writer.write(tname, 0, source), source.numel() * source.element_size())
+                continue
+            assert isinstance(source, _InPartition)
+            part = _partition_for(src, (source.unit, source.state))
+            if held is not part:
+                if held is not None:
+                    src.swapper.release(held, tier=Tier.HOST)
+                    held = None
+                views = src.swapper.acquire(part, Tier.HOST)  # this rank's chunks; a failed read holds nothing
+                held = part
+            start, end = ranks.my_range(math.prod(shape))
+            if end > start:
+                chunk = views[source.slot][: end - start]
+                crcs[tname] = (writer.write(tname, start * chunk.element_size(), chunk),
+                               (end - start) * chunk.element_size())
+    except BaseException:
+        writer.discard()
+        raise
+    finally:
+        if held is not None:
+            src.swapper.release(held, tier=Tier.HOST)
+    writer.close()  # fsyncs this rank's writes
+    return writer.bytes_written
+
+
+def _agree(ranks: Ranks, what: str | None, *errors: str | None) -> None:
+    """Raise on every rank if any rank had an error. With `what`, this rank's one error is shared first."""
+    if what is not None:
+        errors = tuple(ranks.all_gather_object(what, errors[0] if errors else None))
+    found = [e for e in errors if e]
+    if found:
+        raise _Told(f"saving the checkpoint failed: {'; '.join(found)}")
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 (zlib's) of A + B from crc32(A), crc32(B) and len(B), without the bytes: crc1 is carried
+    through len2 zero bytes by squaring the operator of one zero bit (over GF(2), 32 x 32 bits), then crc2
+    is added."""
+    if len2 <= 0:
+        return crc1
+
+    def times(matrix: list[int], vector: int) -> int:
+        out, k = 0, 0
+        while vector:
+            if vector & 1:
+                out ^= matrix[k]
+            vector >>= 1
+            k += 1
+        return out
+
+    def squared(matrix: list[int]) -> list[int]:
+        return [times(matrix, row) for row in matrix]
+
+    odd = [0xEDB88320] + [1 << k for k in range(31)]  # one zero bit
+    even = squared(odd)  # two
+    odd = squared(even)  # four
+    while True:
+        even = squared(odd)  # the first pass: one zero byte, then 2, 4, ... bytes
+        if len2 & 1:
+            crc1 = times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = squared(even)
+        if len2 & 1:
+            crc1 = times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
 
 
 def load_checkpoint(src: CheckpointContents, path: str | os.PathLike[str]) -> int:
@@ -271,32 +505,46 @@ def _param_names(src: CheckpointContents) -> dict[int, str]:
 
 
 # -- writing ----------------------------------------------------------------------------------------
-def _write(src: CheckpointContents, folder: str | None, max_shard_bytes: int) -> None:
-    """Write the whole checkpoint into the empty directory `folder`, every file fsynced, manifest.json last.
-    With several ranks, the ranks other than 0 pass None: they take part in gathering every tensor only."""
+def _write(src: CheckpointContents, folder: str | None, max_shard_bytes: int) -> int:
+    """Write the whole checkpoint into the empty directory `folder`, every file fsynced, manifest.json last;
+    return the tensors' bytes written. With several ranks whose folders are not shared, the ranks other than 0 pass
+    None: they take part in gathering every tensor only."""
     optimizer = list(_optimizer_tensors(src)) if src.optimizer is not None else None
     if folder is None:
         _write_sharded(None, "model", list(_model_tensors(src)), max_shard_bytes, src, {})
         if optimizer is not None:
             _write_sharded(None, "optimizer", optimizer, max_shard_bytes, src, {})
-        return
+        return 0
+    _save_config(src, folder)
+    model = list(_model_tensors(src))
+    _write_folder(folder, model, optimizer, trainer_state(src) if optimizer is not None else None, max_shard_bytes,
+                  src)
+    return sum(_nbytes_of(t) for t in model + (optimizer or []))
+
+
+def _save_config(src: CheckpointContents, folder: str) -> None:
     config = getattr(src.model, "config", None)
     if config is not None and callable(getattr(config, "save_pretrained", None)):
         config.save_pretrained(folder)
-    _write_folder(folder, list(_model_tensors(src)), optimizer,
-                  trainer_state(src) if optimizer is not None else None, max_shard_bytes, src)
 
 
 def _write_folder(folder: str, model: list[Spec], optimizer: list[Spec] | None, trainer: dict[str, Any] | None,
-                  max_shard_bytes: int, src: CheckpointContents | None) -> None:
+                  max_shard_bytes: int, src: CheckpointContents | None) -> dict[str, dict[str, Any]]:
     """The shards, their indexes, trainer_state.json (with `optimizer`), and manifest.json last, listing
-    these and whatever else is in `folder` already."""
+    these and whatever else is in `folder` already; returns the manifest's entries."""
     files: dict[str, dict[str, Any]] = {}  # manifest entries by file name
     small: dict[str, bytes] = {}  # the JSON files, written together with aiofiles
     small[MODEL_INDEX] = _write_sharded(folder, "model", model, max_shard_bytes, src, files)
     if optimizer is not None:
         small[OPTIMIZER_INDEX] = _write_sharded(folder, "optimizer", optimizer, max_shard_bytes, src, files)
         small[TRAINER_STATE] = _dumps(trainer)
+    _finish_folder(folder, files, small)
+    return files
+
+
+def _finish_folder(folder: str, files: dict[str, dict[str, Any]], small: dict[str, bytes]) -> None:
+    """Write the JSON files `small`, then manifest.json listing them, `files` (the shards' entries) and whatever
+    else is in `folder`; fsync the folder."""
     _run(_write_files(folder, small))
     files.update({name: _whole_file(data) for name, data in small.items()})
     for name in sorted(os.listdir(folder)):  # config.json, and whatever else save_pretrained wrote
@@ -348,22 +596,8 @@ def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_sha
                    src: CheckpointContents | None, files: dict[str, dict[str, Any]]) -> bytes:
     """Write `tensors` into `<prefix>-k-of-n.safetensors` shards (their manifest entries go into `files`);
     return the index's JSON."""
-    shards: list[list[Spec]] = [[]]
-    size = 0
-    total = 0
-    for item in tensors:
-        nbytes = torch.empty(0, dtype=item[1]).element_size()
-        for d in item[2]:
-            nbytes *= d
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += nbytes
-        total += nbytes
     weight_map: dict[str, str] = {}
-    for k, shard in enumerate(shards):
-        name = f"{prefix}-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+    for name, shard in _plan_shards(prefix, tensors, max_shard_bytes):
         specs = [(n, d, s) for n, d, s, _ in shard]
         engine = src.swapper.engine if src is not None else None  # O_DIRECT through the swap's engine
         writer: SafetensorsWriter | _NoWriter = (SafetensorsWriter(os.path.join(folder, name), specs, engine=engine)
@@ -396,7 +630,29 @@ def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_sha
             _release(src, held)
         writer.close()  # fsyncs the file
         files[name] = {"bytes": writer.size, "header_crc32": writer.header_crc32, "tensors": writer.crc32}
-    return _dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    return _index(tensors, weight_map)
+
+
+def _nbytes_of(item: Spec) -> int:
+    return torch.empty(0, dtype=item[1]).element_size() * math.prod(item[2])
+
+
+def _plan_shards(prefix: str, tensors: list[Spec], max_shard_bytes: int) -> list[tuple[str, list[Spec]]]:
+    """`tensors` in order, cut into shards of at most `max_shard_bytes` (or one tensor), with their file names."""
+    shards: list[list[Spec]] = [[]]
+    size = 0
+    for item in tensors:
+        nbytes = _nbytes_of(item)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    return [(f"{prefix}-{k + 1:05d}-of-{len(shards):05d}.safetensors", shard) for k, shard in enumerate(shards)]
+
+
+def _index(tensors: list[Spec], weight_map: dict[str, str]) -> bytes:
+    return _dumps({"metadata": {"total_size": sum(_nbytes_of(t) for t in tensors)}, "weight_map": weight_map})
 
 
 def _partition_for(src: CheckpointContents, key: tuple[int, bool]) -> Partition:

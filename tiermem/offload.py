@@ -93,7 +93,8 @@ class OffloadHandle:
         self._check_whole("tm.save_checkpoint()")
         if self.optimizer is not None:
             self.optimizer.flush()  # what step() recorded is part of the weights and state saved
-        final = save_checkpoint(self._contents(), path, max_shard_bytes, adapters_only=adapters_only)
+        final, written = save_checkpoint(self._contents(), path, max_shard_bytes, adapters_only=adapters_only)
+        self.runtime.checkpoint_bytes_written += written
         if not adapters_only:
             self.saved = (final, self.optimizer.progress() if self.optimizer is not None else 0)
         return final
@@ -154,7 +155,8 @@ class OffloadHandle:
         activations.keep), ``activations_stall_seconds``, ``activations_peak_host_bytes``,
         ``activations_bytes_written`` and ``activations_bytes_read``. ``checkpoint_bytes_read``: what entry read
         from ``checkpoint=`` and ``load_checkpoint`` read, checking included (with several ranks each rank
-        reads about 1/N; not reset). The
+        reads about 1/N; not reset); ``checkpoint_bytes_written``: the tensors' bytes ``save_checkpoint`` wrote
+        (with several ranks sharing a filesystem each rank writes its chunks, about 1/N; not reset). The
         activations live in the same host cache as the parameters, so their bytes are also in ``bytes_read``,
         ``bytes_written`` and the ``host`` entries (``peak_bytes['host']`` is at most the host budget). With
         several ranks (zero otherwise): ``gathered_bytes`` (received by all-gathers), ``gather_wait_seconds``
@@ -187,6 +189,7 @@ class OffloadHandle:
             "bytes_moved": s.bytes_moved,
             "device_budget": self.swapper.device_cap,
             "checkpoint_bytes_read": rt.checkpoint_bytes_read,
+            "checkpoint_bytes_written": rt.checkpoint_bytes_written,
             **act,
             **(rt.kv.stats() if rt.kv is not None else {}),
             **(dataclasses.asdict(rt.units[0].ranks.traffic) if rt.units else {}),

@@ -99,6 +99,7 @@ class Runtime:
         self.kv: Any = None  # the tiered KV cache's blocks (kv.tier other than memory), see kv_cache.py
         self.moved_buffers: list[tuple[nn.Module, str, torch.device]] = []  # (module, name, origin) to give back
         self.checkpoint_bytes_read = 0  # what entry read from checkpoint= (with several ranks, this rank's chunks)
+        self.checkpoint_bytes_written = 0  # the tensors' bytes tm.save_checkpoint wrote (with several ranks, its own)
         self._ahead: tuple[int, Gathering] | None = None  # a unit whose gather started early (several ranks)
         self._lingering: int | None = None  # a gathered unit kept bound past its exit ([Note: a unit entered again])
         self._charged: dict[int, int] = {}  # unit -> gathered bytes counted on the device's ledger

@@ -25,6 +25,7 @@ import torch
 
 from tiermem.device import check_host
 from tiermem.errors import CheckpointError
+from tiermem.io.buffers import ALIGN as _BLOCK
 from tiermem.io.buffers import AlignedBuffer
 from tiermem.io.engine import IOEngine
 from tiermem.io.files import IOFile
@@ -235,22 +236,10 @@ class SafetensorsWriter:
     def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, engine: IOEngine | None = None) -> None:
         self.path = path
-        header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-        offset = 0
-        self.expected: list[tuple[str, int]] = []  # (name, bytes) in write order
-        for name, dtype, shape in specs:
-            if dtype not in _NAMES:
-                raise CheckpointError(f"{name}: dtype {dtype} cannot be stored in safetensors")
-            nbytes = _nbytes(dtype, shape)
-            header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self.expected.append((name, nbytes))
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-        head = struct.pack("<Q", len(raw)) + raw
+        head, places, self.size = _header(specs, metadata)  # size: the file's length once every tensor is written
+        self.expected: list[tuple[str, int]] = [(name, n) for name, (_, n) in places.items()]  # in write order
         self.header_crc32 = zlib.crc32(head)  # what SafetensorsCheckpoint.header_crc32 reads back
         self.crc32: dict[str, int] = {}  # tensor name -> CRC-32 of its bytes as written
-        self.size = len(head) + offset  # the file's length once every tensor is written
         self._next = 0
         self._engine = engine
         if engine is None:
@@ -288,9 +277,7 @@ class SafetensorsWriter:
         self._next += 1
 
     def _failed(self, exc: OSError) -> CheckpointError:
-        return CheckpointError(f"{self.path}: writing failed ({exc.strerror or exc}); a checkpoint already at the "
-                               "path the save was given is left as it was. Free space on that drive, or save "
-                               "elsewhere")
+        return _write_failed(self.path, exc)
 
     def _put(self, view: memoryview) -> None:
         """Copy bytes into the stages, writing each as it fills."""
@@ -362,6 +349,148 @@ class SafetensorsWriter:
         if self._io is not None:
             self._io.close()
             self._io = None
+
+
+def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+            ) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+    """A safetensors file's first bytes (length and JSON header) for tensors stored in `specs`' order, each
+    tensor's (offset in the file, bytes), and the file's length."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    places = {}  # name -> (offset in the data, bytes)
+    for name, dtype, shape in specs:
+        if dtype not in _NAMES:
+            raise CheckpointError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+        nbytes = _nbytes(dtype, shape)
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        places[name] = (offset, nbytes)
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, {name: (len(head) + at, n) for name, (at, n) in places.items()}, len(head) + offset
+
+
+class SafetensorsRangeWriter:
+    """Writes byte ranges of the tensors of one safetensors file that several processes fill at once: with N
+    ranks, each writes its chunk of every tensor straight to where it lies in the file, and no rank gathers
+    anything ([Note: each rank writes its own chunks] in tiermem/checkpointing.py).
+
+    `create` (one process, first) writes the header and sets the file's length; then each writer opens it and
+    `write`s its ranges, in any order. The 4 KiB-aligned middle of a range goes with O_DIRECT through the
+    engine from two aligned stages, as SafetensorsWriter writes; its unaligned ends go through the page cache,
+    so two ranks whose ranges meet inside a block both write it buffered, and no block is written both ways.
+    `close` waits and fsyncs this process's writes."""
+
+    STAGE = SafetensorsWriter.STAGE
+
+    def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 engine: IOEngine | None) -> None:
+        self.path = path
+        head, self.places, self.size = _header(specs)
+        self.header_crc32 = zlib.crc32(head)
+        self.bytes_written = 0
+        self._engine = engine
+        self._io = IOFile(path, "w", direct=engine is not None)
+        self._stages: list[AlignedBuffer] = []
+        self._writes: list[Any] = [None, None]
+        self._stage = 0
+        try:
+            if engine is not None:
+                self._stages = [AlignedBuffer(self.STAGE, huge_pages=False) for _ in range(2)]
+        except BaseException:
+            self._release()
+            raise
+
+    @staticmethod
+    def create(path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+        """Make the file: its header, and its whole length (sparse until the ranks write); returns the header's
+        CRC-32."""
+        head, _, size = _header(specs)
+        try:
+            with open(path, "wb") as f:
+                f.write(head)
+                f.truncate(size)
+        except OSError as exc:
+            raise _write_failed(path, exc) from exc
+        return zlib.crc32(head)
+
+    def write(self, name: str, start: int, tensor: torch.Tensor) -> int:
+        """Write `tensor`'s bytes as bytes [start, start + its bytes) of tensor `name`; returns their CRC-32."""
+        at, nbytes = self.places[name]
+        check_host(f"saving {name!r}", tensor)
+        view = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        if start < 0 or start + len(view) > nbytes:
+            raise CheckpointError(f"{self.path}: bytes [{start}, {start + len(view)}) are outside tensor {name!r} "
+                                  f"({nbytes} bytes)")
+        at += start
+        try:
+            self._put(view, at)
+        except OSError as exc:
+            raise _write_failed(self.path, exc) from exc
+        self.bytes_written += len(view)
+        return zlib.crc32(view)
+
+    def _put(self, view: memoryview, at: int) -> None:
+        n = len(view)
+        if self._engine is None:
+            self._pwrite(view, at)
+            return
+        head = min(n, -at % _BLOCK)  # up to the first block boundary: buffered
+        body = (n - head) // _BLOCK * _BLOCK
+        self._pwrite(view[:head], at)
+        done = head
+        while done < head + body:
+            k = min(self.STAGE, head + body - done)
+            self._wait(self._stage)  # this stage's last write has finished: it may be refilled
+            self._stages[self._stage].view[:k] = view[done : done + k]
+            self._writes[self._stage] = self._engine.write(self._io, self._stages[self._stage].view, at + done, k)
+            self._stage ^= 1
+            done += k
+        self._pwrite(view[done:], at + done)  # the part of a block at the end: buffered
+
+    def _pwrite(self, view: memoryview, at: int) -> None:
+        while len(view):
+            n = os.pwrite(self._io.buffered_fd, view, at)
+            view, at = view[n:], at + n
+
+    def _wait(self, stage: int) -> None:
+        write, self._writes[stage] = self._writes[stage], None
+        if write is not None:
+            write.wait()
+
+    def discard(self) -> None:
+        """Give up (the save failed): wait for what is in flight, close unsynced."""
+        for stage in (0, 1):
+            try:
+                self._wait(stage)
+            except Exception:  # noqa: BLE001, S110 - the save has failed already; its error is the one raised
+                pass
+        self._release()
+
+    def close(self) -> None:
+        try:
+            self._wait(0)
+            self._wait(1)
+            os.fsync(self._io.buffered_fd)
+        except OSError as exc:
+            self.discard()
+            raise _write_failed(self.path, exc) from exc
+        except BaseException:
+            self.discard()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        for stage in self._stages:
+            stage.close()
+        self._stages = []
+        self._io.close()
+
+
+def _write_failed(path: str, exc: OSError) -> CheckpointError:
+    return CheckpointError(f"{path}: writing failed ({exc.strerror or exc}); a checkpoint already at the path the "
+                           "save was given is left as it was. Free space on that drive, or save elsewhere")
 
 
 def _crc32(t: torch.Tensor) -> int:
