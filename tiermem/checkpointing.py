@@ -95,7 +95,7 @@ import zlib
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any, TypeVar
 
 import aiofiles
@@ -394,40 +394,37 @@ def _agree(ranks: Ranks, what: str | None, *errors: str | None) -> None:
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 (zlib's) of A + B from crc32(A), crc32(B) and len(B), without the bytes: crc1 is carried
-    through len2 zero bytes by squaring the operator of one zero bit (over GF(2), 32 x 32 bits), then crc2
-    is added."""
-    if len2 <= 0:
-        return crc1
-
-    def times(matrix: list[int], vector: int) -> int:
-        out, k = 0, 0
-        while vector:
-            if vector & 1:
-                out ^= matrix[k]
-            vector >>= 1
-            k += 1
-        return out
-
-    def squared(matrix: list[int]) -> list[int]:
-        return [times(matrix, row) for row in matrix]
-
-    odd = [0xEDB88320] + [1 << k for k in range(31)]  # one zero bit
-    even = squared(odd)  # two
-    odd = squared(even)  # four
-    while True:
-        even = squared(odd)  # the first pass: one zero byte, then 2, 4, ... bytes
+    through len2 zero bytes by the operators of 2**k zero bytes (32 x 32 bits over GF(2), made once each),
+    one per bit set in len2, then crc2 is added."""
+    k = 0
+    while len2 > 0:
         if len2 & 1:
-            crc1 = times(even, crc1)
+            crc1 = _gf2_times(_zero_bytes_operator(k), crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = squared(even)
-        if len2 & 1:
-            crc1 = times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        k += 1
     return crc1 ^ crc2
+
+
+def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
+    out, k = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[k]
+        vector >>= 1
+        k += 1
+    return out
+
+
+@cache
+def _zero_bytes_operator(k: int) -> tuple[int, ...]:
+    """What a CRC-32 register becomes through 2**k zero bytes, as a matrix (column n: the image of bit n)."""
+    if k == 0:
+        op = (0xEDB88320, *(1 << n for n in range(31)))  # one zero bit: shift right, the polynomial on bit 0
+        for _ in range(3):  # 2, 4, 8 bits
+            op = tuple(_gf2_times(op, column) for column in op)
+        return op
+    half = _zero_bytes_operator(k - 1)
+    return tuple(_gf2_times(half, column) for column in half)
 
 
 def load_checkpoint(src: CheckpointContents, path: str | os.PathLike[str]) -> int:
