@@ -531,6 +531,54 @@ def test_a_full_drive_fails_a_two_rank_save_on_both_ranks_and_the_old_checkpoint
     GPT2LMHeadModel.from_pretrained(Path(target) / "ckpt")
 
 
+def _lora_adapter_saved(rank: int, world: int, folder: Path, case: str) -> None:
+    """Train LoRA adapters (PEFT) on a GPT-2 for a step on two ranks and save the adapter alone; with "unshared",
+    rank 1 does not see the folder rank 0 made."""
+    import peft
+
+    from tiermem import checkpointing, tiered_offload
+
+    base = _gpt2().train()
+    torch.manual_seed(3)  # the adapters' initial values, the same on both ranks
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                      fan_in_fan_out=True, lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with tiered_offload(model, optimizer=opt, **_offload_cfg(folder, rank, **{"memory.host_budget": "8MiB"})) as tm:
+        _train(model, tm.optimizer, _batches(rank)[:ACCUMULATE], tm.backward, tm.clip_grad_norm_)
+        if case == "unshared" and rank == 1:
+            checkpointing._MARK = ".not-this-one-"
+        tm.save_checkpoint(folder / "adapter", adapters_only=True)
+        (folder / f"written{rank}").write_text(str(tm.stats()["checkpoint_bytes_written"]))
+        with tm.gathered(model), torch.no_grad():
+            torch.save({n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n},
+                       folder / f"lora{rank}.pt")
+
+
+@pytest.mark.parametrize("case", ["shared", "unshared"])
+def test_two_ranks_save_a_lora_adapter_that_peft_loads(tmp_path, case: str) -> None:
+    """`tm.save_checkpoint(dir, adapters_only=True)` on two ranks writes the adapter whole, in PEFT's format:
+    each rank its chunks when both see the folder, rank 0 alone (gathered) when not; PeftModel.from_pretrained
+    loads the trained adapter (before: each rank wrote its chunks as whole tensors into the same file, and the
+    save failed)."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    run_ranks(_lora_adapter_saved, 2, tmp_path, case, timeout_s=120)
+    want = torch.load(tmp_path / "lora0.pt")
+    assert want and all(torch.equal(v, torch.load(tmp_path / "lora1.pt")[n]) for n, v in want.items())
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert saved.keys() == {n.replace(".default.", ".", 1) for n in want}
+    loaded = dict(peft.PeftModel.from_pretrained(_gpt2(), tmp_path / "adapter").named_parameters())
+    for name, value in want.items():
+        assert torch.equal(loaded[name], value), name
+    total = sum(v.numel() * v.element_size() for v in want.values())
+    written = [int((tmp_path / f"written{r}").read_text()) for r in range(2)]
+    if case == "shared":
+        assert sum(written) == total and abs(written[0] - written[1]) <= 0.05 * total, (written, total)
+    else:
+        assert written == [total, 0], (written, total)
+
+
 def _one_rank_raises(rank: int, world: int, folder: Path, stays: bool) -> None:
     import time
 

@@ -74,7 +74,8 @@ writes into (one machine, or a filesystem the machines share), nothing is gather
    (`crc32_combine`) and writes the indexes, trainer_state.json and manifest.json, and puts the folder in
    place; the ranks return after it has.
 The files are the ones rank 0 alone would write, byte for byte; `load_checkpoint`, `from_pretrained` and a
-different number of ranks read them as ever. Each rank writes about 1/N of the bytes.
+different number of ranks read them as ever. Each rank writes about 1/N of the bytes. A PEFT adapter saved
+with `adapters_only` goes the same way into adapter_model.safetensors (no manifest: PEFT's format).
 """
 
 from __future__ import annotations
@@ -169,12 +170,15 @@ def save_checkpoint(src: CheckpointContents, path: str | os.PathLike[str], max_s
     """
     final = os.path.realpath(os.fspath(path))
     ranks = src.units[0].ranks if src.units else Ranks()
-    if ranks.sharded and not adapters_only:
-        return _save_ranked(src, final, ranks, max_shard_bytes)
     if adapters_only:
-        return _save(final, lambda tmp: _write_adapters(src, tmp)), 0
-    written: list[int] = []
-    return _save(final, lambda tmp: written.append(_write(src, tmp, max_shard_bytes))), sum(written)
+        _adapter(src)  # not a PEFT model: refused on every rank alike, before anything is made
+    if ranks.sharded:
+        return _save_ranked(src, final, ranks, max_shard_bytes, adapters_only)
+    if adapters_only:
+        written: list[int] = []
+        return _save(final, lambda tmp: written.append(_write_adapters(src, tmp))), sum(written)
+    done: list[int] = []
+    return _save(final, lambda tmp: done.append(_write(src, tmp, max_shard_bytes))), sum(done)
 
 
 def write_checkpoint(path: str | os.PathLike[str], model: list[Spec], optimizer: list[Spec] | None = None,
@@ -211,7 +215,8 @@ def _save(final: str, fill: Callable[[str], None]) -> str:
     return final
 
 
-def _save_ranked(src: CheckpointContents, final: str, ranks: Ranks, max_shard_bytes: int) -> tuple[str, int]:
+def _save_ranked(src: CheckpointContents, final: str, ranks: Ranks, max_shard_bytes: int,
+                 adapters_only: bool) -> tuple[str, int]:
     """`save_checkpoint` on every rank of a sharded context (see [Note: each rank writes its own chunks]). A
     failure is raised by every rank: those found while writing are shared at the end of it, and rank 0's
     before it has a folder or while it puts the folder in place are told to the others, who wait for it."""
@@ -221,14 +226,16 @@ def _save_ranked(src: CheckpointContents, final: str, ranks: Ranks, max_shard_by
     def write(folder: str | None) -> None:
         shared = _shared_folder(ranks, folder)
         stage[0] = "writing"
+        finish: Callable[[], None] | None = None
         if shared is not None:
-            n, finish = _write_by_ranks(src, shared, ranks, max_shard_bytes)
+            n, finish = (_write_adapters_by_ranks(src, shared, ranks) if adapters_only
+                         else _write_by_ranks(src, shared, ranks, max_shard_bytes))
         else:  # rank 0 writes whole tensors, gathered by all ranks
-            n, finish = _write(src, folder, max_shard_bytes), None
+            n = _write_adapters(src, folder) if adapters_only else _write(src, folder, max_shard_bytes)
         written.append(n)
         stage[0] = "after"
         if finish is not None:
-            _finish_folder(shared, *finish)  # type: ignore[arg-type]
+            finish()
 
     if ranks.rank != 0:
         write(None)
@@ -299,10 +306,10 @@ def _shared_folder(ranks: Ranks, folder: str | None, error: str | None = None) -
 
 
 def _write_by_ranks(src: CheckpointContents, folder: str, ranks: Ranks, max_shard_bytes: int
-                    ) -> tuple[int, tuple[dict[str, dict[str, Any]], dict[str, bytes]] | None]:
+                    ) -> tuple[int, Callable[[], None] | None]:
     """Write this rank's chunks of every tensor into the shards in `folder`, which every rank sees (rank 0 also
-    config.json and the buffers). Returns the bytes this rank wrote and, on rank 0, what `_finish_folder` writes
-    then: the shards' manifest entries and the JSON files."""
+    config.json and the buffers). Returns the bytes this rank wrote and, on rank 0, what writes the rest once
+    every rank has written: the JSON files and the manifest, with the shards' CRC-32s joined."""
     groups = [("model", list(_model_tensors(src)))]
     if src.optimizer is not None:
         groups.append(("optimizer", list(_optimizer_tensors(src))))
@@ -347,7 +354,7 @@ def _write_by_ranks(src: CheckpointContents, folder: str, ranks: Ranks, max_shar
         small[MODEL_INDEX if prefix == "model" else OPTIMIZER_INDEX] = _index(tensors, weight_map)
     if src.optimizer is not None:
         small[TRAINER_STATE] = _dumps(trainer_state(src))
-    return written, (files, small)
+    return written, lambda: _finish_folder(folder, files, small)
 
 
 def _write_my_chunks(src: CheckpointContents, path: str, shard: list[Spec], ranks: Ranks,
@@ -551,10 +558,9 @@ def _finish_folder(folder: str, files: dict[str, dict[str, Any]], small: dict[st
     _fsync_dir(folder)
 
 
-def _write_adapters(src: CheckpointContents, folder: str) -> None:
-    """A PEFT model's active adapter as PEFT's `save_pretrained` writes it, so `PeftModel.from_pretrained(base,
-    folder)` loads it: adapter_model.safetensors (every parameter of the adapter, named without the adapter
-    name, as `get_peft_model_state_dict` names them) and adapter_config.json. The base weights stay out."""
+def _adapter(src: CheckpointContents) -> tuple[dict[str, Any], list[Spec]]:
+    """A PEFT model's active adapter: its config as PEFT saves it, and its parameters named as
+    `get_peft_model_state_dict` names them (without the adapter's name)."""
     configs = getattr(src.model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
         raise CheckpointError(f"adapters_only: {type(src.model).__name__} is not a PEFT model (it has no peft_config); "
@@ -562,7 +568,7 @@ def _write_adapters(src: CheckpointContents, folder: str) -> None:
     adapter = getattr(src.model, "active_adapter", None)
     adapter = adapter if isinstance(adapter, str) and adapter in configs else next(iter(configs))
     marker = f".{adapter}."
-    tensors: list[tuple[str, torch.dtype, tuple[int, ...], _InPartition]] = []  # named as PEFT names them
+    tensors: list[Spec] = []
     for unit in src.units:
         dtypes = {slot.name: slot.dtype for slot in unit.partition.layout.slots}
         for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
@@ -570,23 +576,66 @@ def _write_adapters(src: CheckpointContents, folder: str) -> None:
                 tensors.append((fqn.replace(marker, ".", 1), dtypes[fqn], shape, _InPartition(unit.index, False, fqn)))
     if not tensors:
         raise CheckpointError(f"adapters_only: no parameter of adapter {adapter!r} found (names with {marker!r})")
-    writer = SafetensorsWriter(os.path.join(folder, ADAPTER_WEIGHTS), [(n, d, s) for n, d, s, _ in tensors])
+    config = configs[adapter].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}, tensors
+
+
+def _write_adapters(src: CheckpointContents, folder: str | None) -> int:
+    """A PEFT model's active adapter as PEFT's `save_pretrained` writes it, so `PeftModel.from_pretrained(base,
+    folder)` loads it: adapter_model.safetensors and adapter_config.json; the base weights stay out. Returns the
+    tensors' bytes. With several ranks whose folders are not shared, the ranks other than 0 pass None: they
+    take part in gathering the adapter's units only."""
+    config, tensors = _adapter(src)
+    writer: SafetensorsWriter | _NoWriter = (
+        SafetensorsWriter(os.path.join(folder, ADAPTER_WEIGHTS), [(n, d, s) for n, d, s, _ in tensors])
+        if folder is not None else _NoWriter())
+    held: tuple[int, bool] | None = None
     try:
         for name, _, _, source in tensors:
-            part = src.units[source.unit].partition
-            views = src.swapper.acquire(part, Tier.HOST)
-            try:
-                writer.write(name, views[source.slot])
-            finally:
-                src.swapper.release(part, tier=Tier.HOST)
+            assert isinstance(source, _InPartition)
+            if held != (source.unit, False):
+                _release(src, held)
+                held = None
+                views = _acquire(src, (source.unit, False))  # whole tensors, gathered with several ranks
+                held = (source.unit, False)
+            writer.write(name, views[source.slot])
     except BaseException:
         writer.discard()
         raise
+    finally:
+        _release(src, held)
     writer.close()
-    config = configs[adapter].to_dict()
-    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+    if folder is not None:
+        _finish_adapters(folder, config)
+    return sum(_nbytes_of(t) for t in tensors) if folder is not None else 0
+
+
+def _finish_adapters(folder: str, config: dict[str, Any]) -> None:
     _run(_write_files(folder, {ADAPTER_CONFIG: _dumps(config)}))
     _fsync_dir(folder)
+
+
+def _write_adapters_by_ranks(src: CheckpointContents, folder: str, ranks: Ranks
+                             ) -> tuple[int, Callable[[], None] | None]:
+    """`_write_adapters` with each rank writing its chunks of the adapter's tensors into the file ([Note: each
+    rank writes its own chunks]); rank 0 then writes adapter_config.json."""
+    config, tensors = _adapter(src)
+    path = os.path.join(folder, ADAPTER_WEIGHTS)
+    specs = [(n, d, s) for n, d, s, _ in tensors]
+    error = None
+    if ranks.rank == 0:
+        try:
+            SafetensorsRangeWriter.create(path, specs)
+        except TiermemError as exc:
+            error = f"rank 0: {exc}"
+    _agree(ranks, "making the adapter's file", error)
+    written, error = 0, None
+    try:
+        written = _write_my_chunks(src, path, tensors, ranks, {})
+    except (OSError, TiermemError) as exc:
+        error = f"rank {ranks.rank}: {_failed_save(exc, folder) if isinstance(exc, OSError) else exc}"
+    _agree(ranks, "finishing the adapter's file", error)
+    return written, (lambda: _finish_adapters(folder, config)) if ranks.rank == 0 else None
 
 
 def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_shard_bytes: int,
