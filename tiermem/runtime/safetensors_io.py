@@ -221,7 +221,39 @@ def _load_json(path: str) -> object:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
 
 
-class SafetensorsWriter:
+class _Staged:
+    """Two aligned STAGE-byte buffers (`_stages`), each written by the engine (`_writes`, to `_io`) while the
+    other fills: what the two writers below share."""
+
+    STAGE = 4 << 20
+    _stages: list[AlignedBuffer]
+    _writes: list[Any]
+    _io: IOFile | None
+
+    def _wait(self, stage: int) -> None:
+        write, self._writes[stage] = self._writes[stage], None
+        if write is not None:
+            write.wait()
+
+    def _wait_quietly(self) -> None:
+        """Wait for both stages' writes, ignoring their errors: the save has failed already, and its error is the
+        one raised."""
+        for stage in (0, 1):
+            try:
+                self._wait(stage)
+            except Exception:  # noqa: BLE001, S110
+                pass
+
+    def _release(self) -> None:
+        for stage in self._stages:
+            stage.close()
+        self._stages = []
+        if self._io is not None:
+            self._io.close()
+            self._io = None
+
+
+class SafetensorsWriter(_Staged):
     """Writes one safetensors file tensor by tensor: the header first (from names, dtypes and shapes),
     then each tensor's bytes in the same order, so no more than one tensor is in memory at a time. The CRC-32
     of the header and of each tensor's bytes are taken as they are written (`header_crc32`, `crc32`).
@@ -230,8 +262,6 @@ class SafetensorsWriter:
     the filesystem allows it) while the other fills, past the page cache: writing a new file through the page
     cache ran at 0.32 GB/s on the machine these figures come from, O_DIRECT at 1.9 GB/s (docs/benchmarks.md,
     "Checkpoint shards written with O_DIRECT, and cold loads"). Without one, plain buffered writes."""
-
-    STAGE = 4 << 20
 
     def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, engine: IOEngine | None = None) -> None:
@@ -299,21 +329,12 @@ class SafetensorsWriter:
         self._stage ^= 1
         self._wait(self._stage)
 
-    def _wait(self, stage: int) -> None:
-        write, self._writes[stage] = self._writes[stage], None
-        if write is not None:
-            write.wait()
-
     def discard(self) -> None:
         """Give up on the file (the save failed): close it unsynced; the caller removes the directory."""
         if self._engine is None:
             self._file.close()
             return
-        for stage in (0, 1):
-            try:
-                self._wait(stage)
-            except Exception:  # noqa: BLE001, S110 - the save has failed already; its error is the one raised
-                pass
+        self._wait_quietly()
         self._release()
 
     def close(self) -> None:
@@ -342,14 +363,6 @@ class SafetensorsWriter:
         except OSError as exc:
             raise self._failed(exc) from exc
 
-    def _release(self) -> None:
-        for stage in self._stages:
-            stage.close()
-        self._stages = []
-        if self._io is not None:
-            self._io.close()
-            self._io = None
-
 
 def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
             ) -> tuple[bytes, dict[str, tuple[int, int]], int]:
@@ -371,7 +384,7 @@ def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dic
     return head, {name: (len(head) + at, n) for name, (at, n) in places.items()}, len(head) + offset
 
 
-class SafetensorsRangeWriter:
+class SafetensorsRangeWriter(_Staged):
     """Writes byte ranges of the tensors of one safetensors file that several processes fill at once: with N
     ranks, each writes its chunk of every tensor straight to where it lies in the file, and no rank gathers
     anything ([Note: each rank writes its own chunks] in tiermem/checkpointing.py).
@@ -382,8 +395,6 @@ class SafetensorsRangeWriter:
     so two ranks whose ranges meet inside a block both write it buffered, and no block is written both ways.
     `close` waits and fsyncs this process's writes."""
 
-    STAGE = SafetensorsWriter.STAGE
-
     def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  engine: IOEngine | None) -> None:
         self.path = path
@@ -392,6 +403,7 @@ class SafetensorsRangeWriter:
         self.bytes_written = 0
         self._engine = engine
         self._io = IOFile(path, "w", direct=engine is not None)
+        self._fd = self._io.buffered_fd  # for the unaligned ends
         self._stages: list[AlignedBuffer] = []
         self._writes: list[Any] = [None, None]
         self._stage = 0
@@ -433,7 +445,7 @@ class SafetensorsRangeWriter:
 
     def _put(self, view: memoryview, at: int) -> None:
         n = len(view)
-        if self._engine is None:
+        if self._engine is None or self._io is None:
             self._pwrite(view, at)
             return
         head = min(n, -at % _BLOCK)  # up to the first block boundary: buffered
@@ -451,28 +463,19 @@ class SafetensorsRangeWriter:
 
     def _pwrite(self, view: memoryview, at: int) -> None:
         while len(view):
-            n = os.pwrite(self._io.buffered_fd, view, at)
+            n = os.pwrite(self._fd, view, at)
             view, at = view[n:], at + n
-
-    def _wait(self, stage: int) -> None:
-        write, self._writes[stage] = self._writes[stage], None
-        if write is not None:
-            write.wait()
 
     def discard(self) -> None:
         """Give up (the save failed): wait for what is in flight, close unsynced."""
-        for stage in (0, 1):
-            try:
-                self._wait(stage)
-            except Exception:  # noqa: BLE001, S110 - the save has failed already; its error is the one raised
-                pass
+        self._wait_quietly()
         self._release()
 
     def close(self) -> None:
         try:
             self._wait(0)
             self._wait(1)
-            os.fsync(self._io.buffered_fd)
+            os.fsync(self._fd)
         except OSError as exc:
             self.discard()
             raise _write_failed(self.path, exc) from exc
@@ -480,12 +483,6 @@ class SafetensorsRangeWriter:
             self.discard()
             raise
         self._release()
-
-    def _release(self) -> None:
-        for stage in self._stages:
-            stage.close()
-        self._stages = []
-        self._io.close()
 
 
 def _write_failed(path: str, exc: OSError) -> CheckpointError:
