@@ -497,11 +497,39 @@ def _save_twice(rank: int, world: int, folder: Path, target: str, case: str) -> 
         if rank == 0:  # leave the drive less than half of what the next save needs
             with open(Path(target) / "filler", "wb") as f:
                 os.posix_fallocate(f.fileno(), 0, max(free_bytes(target) - first // 2, 1))
-        with pytest.raises(CheckpointError, match=r"writing failed \(No space left on device\).*Free space"):
+        if case == "full-unshared" and rank == 1:  # rank 0 writes it all, gathered, and fails part way
+            checkpointing._MARK = ".not-this-one-"
+        with pytest.raises(CheckpointError, match=r"writing failed \(.*No space left on device\).*Free space"):
             tm.save_checkpoint(ckpt)
         assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt.iterdir()} == digest
         assert not [p for p in Path(target).iterdir() if ".tmp-" in p.name]  # the new folder was removed
         (folder / f"raised{rank}").write_text("yes")
+
+
+def _save_with_a_buffer_on_the_device(rank: int, world: int, folder: Path, case: str) -> None:
+    """On the copying test device, a model with a persistent buffer (moved to the device at entry) saved by two
+    ranks; with "unshared", rank 1 does not see the folder."""
+    from tiermem import checkpointing, tiered_offload
+    from tiermem.device import copying_device
+
+    model = _gpt2()
+    model.transformer.register_buffer("scale", torch.arange(5, dtype=torch.float32))
+    with copying_device(), tiered_offload(model, **_offload_cfg(folder, rank)) as tm:
+        if case == "unshared" and rank == 1:
+            checkpointing._MARK = ".not-this-one-"
+        tm.save_checkpoint(folder / "ckpt")
+
+
+@pytest.mark.parametrize("case", ["shared", "unshared"])
+def test_two_ranks_save_a_buffer_that_lives_on_the_device(tmp_path, case: str) -> None:
+    """A persistent buffer on the device is copied to the host to be written, by either path (before: the
+    ranks' own writer was handed the device tensor and every save failed)."""
+    from safetensors.torch import load_file
+
+    run_ranks(_save_with_a_buffer_on_the_device, 2, tmp_path, case, timeout_s=120)
+    saved = load_file(str(tmp_path / "ckpt" / "model-00001-of-00001.safetensors"))
+    assert torch.equal(saved["transformer.scale"], torch.arange(5, dtype=torch.float32))
+    assert torch.equal(saved["transformer.wte.weight"], _gpt2().transformer.wte.weight)
 
 
 def test_two_ranks_that_do_not_see_one_folder_save_through_rank_0(tmp_path) -> None:
@@ -520,13 +548,17 @@ def test_two_ranks_that_do_not_see_one_folder_save_through_rank_0(tmp_path) -> N
         assert torch.equal(loaded[name], value), name
 
 
-def test_a_full_drive_fails_a_two_rank_save_on_both_ranks_and_the_old_checkpoint_stays(tmp_path, ext4_mount) -> None:
+@pytest.mark.parametrize("case", ["full", "full-unshared"])
+def test_a_full_drive_fails_a_two_rank_save_on_both_ranks_and_the_old_checkpoint_stays(tmp_path, ext4_mount,
+                                                                                        case: str) -> None:
     """A real ext4 filesystem with room for one checkpoint: the second save, with the drive filled, raises on
-    both ranks a CheckpointError naming the cause and the fix; the first checkpoint is unchanged and loads."""
+    both ranks a CheckpointError naming the cause and the fix, whether each rank writes its chunks or rank 0
+    writes everything gathered (its failed write stops the writing, not the gathers the other rank makes);
+    the first checkpoint is unchanged and loads."""
     from transformers import GPT2LMHeadModel
 
     target = ext4_mount(48 << 20)
-    run_ranks(_save_twice, 2, tmp_path / "ranks", target, "full", timeout_s=120)
+    run_ranks(_save_twice, 2, tmp_path / "ranks", target, case, timeout_s=120)
     assert all((tmp_path / "ranks" / f"raised{r}").exists() for r in range(2))
     GPT2LMHeadModel.from_pretrained(Path(target) / "ckpt")
 

@@ -13,7 +13,8 @@ Layout of a checkpoint directory:
                                                  tensor's bytes, taken as they were written)
 
 The optimizer files and trainer_state.json are there when the checkpoint was saved with an optimizer.
-Weights are written one unit at a time, so memory stays within the host budget, through the swap's I/O
+Weights are written one unit at a time (with several ranks, each rank its chunks: [Note: each rank writes its
+own chunks]), so memory stays within the host budget, through the swap's I/O
 engine with O_DIRECT where the filesystem allows it (`SafetensorsWriter`'s two 4 MiB stages, 8 MiB
 besides the host budget while a shard is written); transformers'
 `from_pretrained(dir)` and `safetensors.torch.load_file` read the model shards directly (they do not
@@ -76,6 +77,11 @@ writes into (one machine, or a filesystem the machines share), nothing is gather
 The files are the ones rank 0 alone would write, byte for byte; `load_checkpoint`, `from_pretrained` and a
 different number of ranks read them as ever. Each rank writes about 1/N of the bytes. A PEFT adapter saved
 with `adapters_only` goes the same way into adapter_model.safetensors (no manifest: PEFT's format).
+Every error a rank meets in this (any exception, not only the disk's) is shared in the collective that
+follows, so every rank raises it and none waits for a collective that will not come. When rank 0 writes
+the gathered tensors, a failed write stops the writing but not the gathers, and is raised after them, by
+every rank. A rank whose own partition cannot be read mid-way does leave the others in a gather; they
+learn of it when its with-block ends ([Note: a rank that fails] in tiermem/distributed.py).
 """
 
 from __future__ import annotations
@@ -230,8 +236,10 @@ def _save_ranked(src: CheckpointContents, final: str, ranks: Ranks, max_shard_by
         if shared is not None:
             n, finish = (_write_adapters_by_ranks(src, shared, ranks) if adapters_only
                          else _write_by_ranks(src, shared, ranks, max_shard_bytes))
-        else:  # rank 0 writes whole tensors, gathered by all ranks
-            n = _write_adapters(src, folder) if adapters_only else _write(src, folder, max_shard_bytes)
+        elif folder is not None and not adapters_only:  # rank 0 writes whole tensors, gathered by all ranks
+            n, finish = _write_gathered(src, folder, max_shard_bytes)
+        else:
+            n = _write_adapters(src, folder) if adapters_only else _write(src, None, max_shard_bytes)
         written.append(n)
         stage[0] = "after"
         if finish is not None:
@@ -298,7 +306,10 @@ def _shared_folder(ranks: Ranks, folder: str | None, error: str | None = None) -
         sees = False
     seen = ranks.all_gather_object("checking that every rank sees the checkpoint's folder", sees)
     if mark is not None:
-        os.remove(mark)
+        try:
+            os.remove(mark)
+        except OSError as exc:  # it would be listed in the manifest; the save goes on, and so do the others
+            log.warning("could not remove %s (%s); it stays in the checkpoint", mark, exc.strerror)
         if not all(seen):
             log.info("ranks %s do not see %s (not one filesystem): rank 0 writes the whole checkpoint, gathered",
                      [r for r, ok in enumerate(seen) if not ok], folder)
@@ -309,20 +320,24 @@ def _write_by_ranks(src: CheckpointContents, folder: str, ranks: Ranks, max_shar
                     ) -> tuple[int, Callable[[], None] | None]:
     """Write this rank's chunks of every tensor into the shards in `folder`, which every rank sees (rank 0 also
     config.json and the buffers). Returns the bytes this rank wrote and, on rank 0, what writes the rest once
-    every rank has written: the JSON files and the manifest, with the shards' CRC-32s joined."""
+    every rank has written: the JSON files and the manifest, with the shards' CRC-32s joined. Any error is
+    shared in the collective that follows it, so every rank raises it and none is left waiting."""
     groups = [("model", list(_model_tensors(src)))]
     if src.optimizer is not None:
         groups.append(("optimizer", list(_optimizer_tensors(src))))
     plans = [(prefix, tensors, _plan_shards(prefix, tensors, max_shard_bytes)) for prefix, tensors in groups]
     error = None
+    small: dict[str, bytes] = {}
     if ranks.rank == 0:
         try:
+            if src.optimizer is not None:
+                small[TRAINER_STATE] = _dumps(trainer_state(src))
             _save_config(src, folder)
             for _, _, shards in plans:
                 for name, shard in shards:
                     SafetensorsRangeWriter.create(os.path.join(folder, name), [(n, d, s) for n, d, s, _ in shard])
-        except (OSError, TiermemError) as exc:
-            error = f"rank 0: {_failed_save(exc, folder) if isinstance(exc, OSError) else exc}"
+        except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised by all
+            error = f"rank 0: {_said(exc, folder)}"
     _agree(ranks, "making the checkpoint's shards", error)
     crcs: dict[str, tuple[int, int]] = {}  # tensor -> (CRC-32, bytes) of this rank's chunk
     written, error = 0, None
@@ -330,31 +345,61 @@ def _write_by_ranks(src: CheckpointContents, folder: str, ranks: Ranks, max_shar
         for _, _, shards in plans:
             for name, shard in shards:
                 written += _write_my_chunks(src, os.path.join(folder, name), shard, ranks, crcs)
-    except (OSError, TiermemError) as exc:  # a failed read of a partition is a TiermemError naming its drive
-        error = f"rank {ranks.rank}: {_failed_save(exc, folder) if isinstance(exc, OSError) else exc}"
+    except Exception as exc:  # noqa: BLE001 - a failed read of a partition is a TiermemError naming its drive
+        error = f"rank {ranks.rank}: {_said(exc, folder)}"
     every = ranks.all_gather_object("finishing the checkpoint's shards", (error, crcs))
     _agree(ranks, None, *(e for e, _ in every))
     if ranks.rank != 0:
         return written, None
+
+    def finish() -> None:
+        files: dict[str, dict[str, Any]] = {}
+        for prefix, tensors, shards in plans:
+            weight_map = {}
+            for name, shard in shards:
+                joined = {}
+                for tname, *_ in shard:
+                    weight_map[tname] = name
+                    crc = 0
+                    for _, theirs in every:  # rank order: the tensor's bytes in file order
+                        if tname in theirs:
+                            crc = crc32_combine(crc, *theirs[tname])
+                    joined[tname] = crc
+                head, _, size = _header([(n, d, s) for n, d, s, _ in shard])
+                files[name] = {"bytes": size, "header_crc32": zlib.crc32(head), "tensors": joined}
+            small[MODEL_INDEX if prefix == "model" else OPTIMIZER_INDEX] = _index(tensors, weight_map)
+        _finish_folder(folder, files, small)
+
+    return written, finish
+
+
+def _said(exc: BaseException, folder: str) -> str:
+    return _failed_save(exc, folder) if isinstance(exc, OSError) else (
+        str(exc) if isinstance(exc, TiermemError) else f"{type(exc).__name__}: {exc}")
+
+
+def _write_gathered(src: CheckpointContents, folder: str, max_shard_bytes: int) -> tuple[int, Callable[[], None]]:
+    """Rank 0's part of a save whose folder the other ranks do not see: every tensor gathered and written here
+    (the others take part through `_write(src, None, ...)`). A failed write stops the writing but not the
+    gathers, so the other ranks' collectives are all met; the failure is raised by what this returns, which
+    writes the rest (the JSON files, config.json and the manifest) when nothing failed."""
+    model = list(_model_tensors(src))
+    optimizer = list(_optimizer_tensors(src)) if src.optimizer is not None else None
+    failed: list[Exception] = []
     files: dict[str, dict[str, Any]] = {}
-    small: dict[str, bytes] = {}
-    for prefix, tensors, shards in plans:
-        weight_map = {}
-        for name, shard in shards:
-            joined = {}
-            for tname, *_ in shard:
-                weight_map[tname] = name
-                crc = 0
-                for _, theirs in every:  # rank order: the tensor's bytes in file order
-                    if tname in theirs:
-                        crc = crc32_combine(crc, *theirs[tname])
-                joined[tname] = crc
-            head, _, size = _header([(n, d, s) for n, d, s, _ in shard])
-            files[name] = {"bytes": size, "header_crc32": zlib.crc32(head), "tensors": joined}
-        small[MODEL_INDEX if prefix == "model" else OPTIMIZER_INDEX] = _index(tensors, weight_map)
-    if src.optimizer is not None:
-        small[TRAINER_STATE] = _dumps(trainer_state(src))
-    return written, lambda: _finish_folder(folder, files, small)
+    small = {MODEL_INDEX: _write_sharded(folder, "model", model, max_shard_bytes, src, files, failed)}
+    if optimizer is not None:
+        small[OPTIMIZER_INDEX] = _write_sharded(folder, "optimizer", optimizer, max_shard_bytes, src, files, failed)
+
+    def finish() -> None:
+        if failed:
+            raise failed[0]
+        if optimizer is not None:
+            small[TRAINER_STATE] = _dumps(trainer_state(src))
+        _save_config(src, folder)
+        _finish_folder(folder, files, small)
+
+    return sum(_nbytes_of(t) for t in model + (optimizer or [])), finish
 
 
 def _write_my_chunks(src: CheckpointContents, path: str, shard: list[Spec], ranks: Ranks,
@@ -362,10 +407,11 @@ def _write_my_chunks(src: CheckpointContents, path: str, shard: list[Spec], rank
     writer = SafetensorsRangeWriter(path, [(n, d, s) for n, d, s, _ in shard], src.swapper.engine)
     held: Partition | None = None
     try:
-        for tname, _, shape, source in shard:
-            if isinstance(source, torch.Tensor):  # a buffer, whole on every rank
+        for tname, dtype, shape, source in shard:
+            if isinstance(source, torch.Tensor):  # a buffer, whole on every rank (on the device, if it is one)
                 if ranks.rank == 0:
-                    crcs[tname] = (writer.write(tname, 0, source), source.numel() * source.element_size())
+                    host = source.detach().cpu()
+                    crcs[tname] = (writer.write(tname, 0, host), host.numel() * host.element_size())
                 continue
             assert isinstance(source, _InPartition)
             part = _partition_for(src, (source.unit, source.state))
@@ -378,6 +424,9 @@ def _write_my_chunks(src: CheckpointContents, path: str, shard: list[Spec], rank
             start, end = ranks.my_range(math.prod(shape))
             if end > start:
                 chunk = views[source.slot][: end - start]
+                check_host(f"saving {tname!r}", chunk)
+                if chunk.dtype != dtype:
+                    raise CheckpointError(f"{path}: {tname!r} is stored as {chunk.dtype}, its header says {dtype}")
                 crcs[tname] = (writer.write(tname, start * chunk.element_size(), chunk),
                                (end - start) * chunk.element_size())
     except BaseException:
@@ -626,56 +675,76 @@ def _write_adapters_by_ranks(src: CheckpointContents, folder: str, ranks: Ranks
     if ranks.rank == 0:
         try:
             SafetensorsRangeWriter.create(path, specs)
-        except TiermemError as exc:
-            error = f"rank 0: {exc}"
+        except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised by all
+            error = f"rank 0: {_said(exc, folder)}"
     _agree(ranks, "making the adapter's file", error)
     written, error = 0, None
     try:
         written = _write_my_chunks(src, path, tensors, ranks, {})
-    except (OSError, TiermemError) as exc:
-        error = f"rank {ranks.rank}: {_failed_save(exc, folder) if isinstance(exc, OSError) else exc}"
+    except Exception as exc:  # noqa: BLE001
+        error = f"rank {ranks.rank}: {_said(exc, folder)}"
     _agree(ranks, "finishing the adapter's file", error)
     return written, (lambda: _finish_adapters(folder, config)) if ranks.rank == 0 else None
 
 
 def _write_sharded(folder: str | None, prefix: str, tensors: list[Spec], max_shard_bytes: int,
-                   src: CheckpointContents | None, files: dict[str, dict[str, Any]]) -> bytes:
+                   src: CheckpointContents | None, files: dict[str, dict[str, Any]],
+                   failed: list[Exception] | None = None) -> bytes:
     """Write `tensors` into `<prefix>-k-of-n.safetensors` shards (their manifest entries go into `files`);
-    return the index's JSON."""
+    return the index's JSON. With `failed` (rank 0 writing what all ranks gather), a write that fails is put
+    there instead of raised, and nothing more is written, but every tensor is still acquired (gathered)."""
     weight_map: dict[str, str] = {}
     for name, shard in _plan_shards(prefix, tensors, max_shard_bytes):
         specs = [(n, d, s) for n, d, s, _ in shard]
         engine = src.swapper.engine if src is not None else None  # O_DIRECT through the swap's engine
-        writer: SafetensorsWriter | _NoWriter = (SafetensorsWriter(os.path.join(folder, name), specs, engine=engine)
-                                                 if folder is not None else _NoWriter())
+        writer: SafetensorsWriter | _NoWriter = _NoWriter()
+        if folder is not None and not failed:
+            try:
+                writer = SafetensorsWriter(os.path.join(folder, name), specs, engine=engine)
+            except (OSError, TiermemError) as exc:
+                if failed is None:
+                    raise
+                failed.append(exc)
         held: tuple[int, bool] | None = None  # (unit, state) of the partition acquired
         views: dict[str, torch.Tensor] = {}
         try:
             for tname, _, _, source in shard:
                 weight_map[tname] = name
                 if isinstance(source, torch.Tensor):  # a buffer
-                    writer.write(tname, source)
-                    continue
-                if not isinstance(source, _InPartition):  # made when it is written (write_checkpoint)
-                    writer.write(tname, source())
-                    continue
-                assert src is not None
-                key = (source.unit, source.state)
-                if held != key:
-                    _release(src, held)
-                    held = None
-                    views = _acquire(src, key)  # a failed read holds nothing
-                    held = key
-                tensor = views[source.slot]
-                check_host(f"saving {tname!r}", tensor)
-                writer.write(tname, tensor)
+                    tensor = source
+                elif not isinstance(source, _InPartition):  # made when it is written (write_checkpoint)
+                    tensor = source()
+                else:
+                    assert src is not None
+                    key = (source.unit, source.state)
+                    if held != key:
+                        _release(src, held)
+                        held = None
+                        views = _acquire(src, key)  # a failed read holds nothing
+                        held = key
+                    tensor = views[source.slot]
+                    check_host(f"saving {tname!r}", tensor)
+                try:
+                    writer.write(tname, tensor)
+                except (OSError, TiermemError) as exc:
+                    if failed is None:
+                        raise
+                    failed.append(exc)
+                    writer.discard()
+                    writer = _NoWriter()
         except BaseException:
             writer.discard()
             raise
         finally:
             _release(src, held)
-        writer.close()  # fsyncs the file
-        files[name] = {"bytes": writer.size, "header_crc32": writer.header_crc32, "tensors": writer.crc32}
+        try:
+            writer.close()  # fsyncs the file
+        except (OSError, TiermemError) as exc:
+            if failed is None:
+                raise
+            failed.append(exc)
+        if isinstance(writer, SafetensorsWriter):
+            files[name] = {"bytes": writer.size, "header_crc32": writer.header_crc32, "tensors": writer.crc32}
     return _index(tensors, weight_map)
 
 

@@ -20,9 +20,10 @@ optimizer step between passes changes the parameters. After a unit's backward it
 rows the same way and `reduce_scatter_tensor` leaves each rank the sum of its chunks, divided by N (the
 average DDP takes). The gradient norm for clipping and the float16 overflow check are all-reduced.
 
-Checkpoints hold whole tensors, gathered unit by unit and written by rank 0, so any number of ranks (one
-included) loads them, each reading its chunks. Every rank checks at entry that all ranks run the same
-config and model shapes.
+Checkpoints hold whole tensors, so any number of ranks (one included) loads them, each reading its chunks;
+each rank writes its own chunks into the files when all ranks see the folder, else rank 0 writes them
+gathered (see [Note: each rank writes its own chunks] in tiermem/checkpointing.py). Every rank checks at
+entry that all ranks run the same config and model shapes.
 
 # [Note: a rank that fails]
 A rank whose with-block raises cannot take part in the collectives the others are waiting in. If it stays

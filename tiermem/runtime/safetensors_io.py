@@ -14,6 +14,7 @@ reader can compute the same from the file (`checksums`), so a caller that stored
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import threading
@@ -25,8 +26,7 @@ import torch
 
 from tiermem.device import check_host
 from tiermem.errors import CheckpointError
-from tiermem.io.buffers import ALIGN as _BLOCK
-from tiermem.io.buffers import AlignedBuffer
+from tiermem.io.buffers import ALIGN, AlignedBuffer
 from tiermem.io.engine import IOEngine
 from tiermem.io.files import IOFile
 
@@ -390,9 +390,9 @@ class SafetensorsRangeWriter(_Staged):
     anything ([Note: each rank writes its own chunks] in tiermem/checkpointing.py).
 
     `create` (one process, first) writes the header and sets the file's length; then each writer opens it and
-    `write`s its ranges, in any order. The 4 KiB-aligned middle of a range goes with O_DIRECT through the
+    `write`s its ranges, in any order. The page-aligned middle of a range goes with O_DIRECT through the
     engine from two aligned stages, as SafetensorsWriter writes; its unaligned ends go through the page cache,
-    so two ranks whose ranges meet inside a block both write it buffered, and no block is written both ways.
+    so two ranks whose ranges meet inside a page both write it buffered, and no page is written both ways.
     `close` waits and fsyncs this process's writes."""
 
     def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -430,8 +430,8 @@ class SafetensorsRangeWriter(_Staged):
     def write(self, name: str, start: int, tensor: torch.Tensor) -> int:
         """Write `tensor`'s bytes as bytes [start, start + its bytes) of tensor `name`; returns their CRC-32."""
         at, nbytes = self.places[name]
-        check_host(f"saving {name!r}", tensor)
-        view = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        data = tensor.detach().contiguous().cpu()
+        view = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         if start < 0 or start + len(view) > nbytes:
             raise CheckpointError(f"{self.path}: bytes [{start}, {start + len(view)}) are outside tensor {name!r} "
                                   f"({nbytes} bytes)")
@@ -483,6 +483,11 @@ class SafetensorsRangeWriter(_Staged):
             self.discard()
             raise
         self._release()
+
+
+# The unaligned ends of a range go through the page cache and its middle with O_DIRECT; two ranks' ranges may
+# meet inside one page, so the middle is whole pages (64 KiB on some ARM kernels), never a page written both ways.
+_BLOCK = max(ALIGN, mmap.PAGESIZE)
 
 
 def _write_failed(path: str, exc: OSError) -> CheckpointError:
