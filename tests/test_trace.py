@@ -274,8 +274,8 @@ def test_each_pass_is_given_with_its_transfers_and_the_time_they_take_at_the_ben
     1000-1500 reads 4 MB in 400; the third 1500-2100 reads two of 2 MB in flight together over 400. At a
     cached 4 GB/s read and 2 GB/s write, the floors are 1000, 1000 and 1000: the first at 1.0x its floor, the
     others 0.5x and 0.6x, of which the report gives the first apart and the median of the rest. A read that
-    began before a pass counts in none; with no bench figure there is no floor; a trace without passes has
-    none to give."""
+    began before the first pass counts in none, one begun between two passes in the later; with no bench
+    figure there is no floor; a trace without passes has none to give."""
     from tiermem.io.bandwidth import save_bench_results
     from tiermem.trace import summarize
 
@@ -311,6 +311,11 @@ def test_each_pass_is_given_with_its_transfers_and_the_time_they_take_at_the_ben
     unbenched = summarize(trace, bench_cache=str(tmp_path / "none.json"))["passes"]
     assert unbenched["first"]["floor_seconds"] is None and unbenched["rest"]["of_floor"] is None
     assert summarize(_trace_of([s for s in spans if s[0] != "pass"]), bench_cache=cache)["passes"] is None
+    later = _trace_of([*spans, (rd, "between", 2200, 2300, {"bytes": 5}),
+                       ("pass", "pass 4", 2400, 2900, {"backward": False})])
+    later["otherData"]["io_tracks"] = trace["otherData"]["io_tracks"]
+    each = summarize(later, bench_cache=cache)["passes"]["each"]  # begun between passes 3 and 4: in pass 4
+    assert [r["read_bytes"] for r in each] == [2_000_000, 4_000_000, 4_000_000, 5]
 
 
 def test_a_traced_generate_has_a_pass_per_forward_holding_every_read(tmp_path, capsys) -> None:
@@ -331,6 +336,8 @@ def test_a_traced_generate_has_a_pass_per_forward_holding_every_read(tmp_path, c
     del cfg["optimizer.tier"], cfg["grads.tier"]
     with tiered_offload(model, **cfg) as tm:
         model.generate(ids, **gen)
+        tm.swapper.forget_parked()  # a read-ahead of the first generate that a write-back would start later,
+        tm.swapper.flush()  # before the traced one's first pass: counted in stats, in no pass
         tm.reset_stats()
         with tm.trace(tmp_path / "g.json"):
             model.generate(ids, **gen)

@@ -324,8 +324,9 @@ def _bandwidth(by_track: dict[str, list[dict[str, Any]]], other: dict[str, Any],
 # step, or in generate() the prefill and then one decoding step each. The first pass records the order and,
 # in generate(), has a different shape, so the report gives it apart and the median of the others. For each
 # pass: its length, the share of it with any transfer in flight (the disk's busy share), the bytes of the
-# reads and writes that began in it (its span ends once it has issued the next pass's first reads), and
-# their rate while in flight. Its floor is the time those bytes take at
+# reads and writes that began in it (its span ends once it has issued the next pass's first reads) or since
+# the pass before it ended (a read-ahead that a finished write-back lets start between two passes; what
+# began before the first pass counts in none), and their rate while in flight. Its floor is the time those bytes take at
 # what `tiermem bench io` measured on the same directories, reads then writes (a drive does them in turn): a
 # pass near its floor is disk-bound, and only fewer bytes (more room to keep units, compressed weights) or
 # faster drives make it shorter; a pass well above it waits for something else.
@@ -345,6 +346,7 @@ def _passes(by_track: dict[str, list[dict[str, Any]]], bandwidth: dict[str, Any]
     busy_starts, busy_ends = [a for a, _ in busy_all], [b for _, b in busy_all]
     rates = {op: bandwidth[op].get("bench_gbps") for op in _OPS}
     rows = []
+    since = spans[0]["ts"]  # where the pass before ended: what began after it counts in this one
     for e in spans:
         p0, p1 = e["ts"], e["ts"] + e["dur"]
         near = busy_all[bisect.bisect_right(busy_ends, p0):bisect.bisect_left(busy_starts, p1)]  # those overlapping
@@ -352,7 +354,7 @@ def _passes(by_track: dict[str, list[dict[str, Any]]], bandwidth: dict[str, Any]
                                "io_busy_share": _overlap(near, [(p0, p1)]) / e["dur"] if e["dur"] else 0.0}
         floor: float | None = 0.0
         for op in _OPS:
-            began = io[op][bisect.bisect_left(starts[op], p0):bisect.bisect_left(starts[op], p1)]
+            began = io[op][bisect.bisect_left(starts[op], since):bisect.bisect_left(starts[op], p1)]
             nbytes = sum(n for _, _, n in began)
             seconds = _length(_union([(a, b) for a, b, _ in began])) / 1e6
             row[f"{op}_bytes"] = nbytes
@@ -362,6 +364,7 @@ def _passes(by_track: dict[str, list[dict[str, Any]]], bandwidth: dict[str, Any]
         row["floor_seconds"] = floor
         row["of_floor"] = row["seconds"] / floor if floor else None
         rows.append(row)
+        since = p1
     rest = rows[1:]
 
     def median(key: str) -> float | None:
