@@ -237,7 +237,7 @@ def _save_ranked(src: CheckpointContents, final: str, ranks: Ranks, max_shard_by
             n, finish = (_write_adapters_by_ranks(src, shared, ranks) if adapters_only
                          else _write_by_ranks(src, shared, ranks, max_shard_bytes))
         elif folder is not None and not adapters_only:  # rank 0 writes whole tensors, gathered by all ranks
-            n, finish = _write_gathered(src, folder, max_shard_bytes)
+            n, finish = _write_whole(src, folder, max_shard_bytes, keep_gathering=True)
         else:
             n = _write_adapters(src, folder) if adapters_only else _write(src, None, max_shard_bytes)
         written.append(n)
@@ -254,7 +254,7 @@ def _save_ranked(src: CheckpointContents, final: str, ranks: Ranks, max_shard_by
     except _Told:
         raise  # every rank raises it
     except BaseException as exc:
-        told = _failed_save(exc, final)
+        told = _said(exc, final)
         if stage[0] == "before":  # the others wait for the folder's name
             _shared_folder(ranks, None, error=told)
         elif stage[0] == "after":  # they wait to hear that the checkpoint is in place
@@ -266,8 +266,11 @@ def _save_ranked(src: CheckpointContents, final: str, ranks: Ranks, max_shard_by
     return path, sum(written)
 
 
-def _failed_save(exc: BaseException, where: str) -> str:
-    """What a failed save says: for an OSError, the file, the cause and the fix."""
+def _said(exc: BaseException, where: str) -> str:
+    """What a failed save says: for an OSError, the file (else `where`), the cause and the fix; a tiermem error
+    as it is; anything else with its type."""
+    if isinstance(exc, TiermemError):
+        return str(exc)
     if not isinstance(exc, OSError):
         return f"{type(exc).__name__}: {exc}"
     fix = ("Free space on that drive, or save elsewhere" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
@@ -294,7 +297,7 @@ def _shared_folder(ranks: Ranks, folder: str | None, error: str | None = None) -
             with open(mark, "w", encoding="utf-8") as f:
                 f.write(token)
         except OSError as exc:
-            error, mark = _failed_save(exc, folder), None
+            error, mark = _said(exc, folder), None
     every = ranks.all_gather_object("starting a checkpoint's save", (folder, token, error) if ranks.rank == 0 else None)
     folder, token, error = every[0]
     if error is not None:
@@ -373,19 +376,16 @@ def _write_by_ranks(src: CheckpointContents, folder: str, ranks: Ranks, max_shar
     return written, finish
 
 
-def _said(exc: BaseException, folder: str) -> str:
-    return _failed_save(exc, folder) if isinstance(exc, OSError) else (
-        str(exc) if isinstance(exc, TiermemError) else f"{type(exc).__name__}: {exc}")
-
-
-def _write_gathered(src: CheckpointContents, folder: str, max_shard_bytes: int) -> tuple[int, Callable[[], None]]:
-    """Rank 0's part of a save whose folder the other ranks do not see: every tensor gathered and written here
-    (the others take part through `_write(src, None, ...)`). A failed write stops the writing but not the
-    gathers, so the other ranks' collectives are all met; the failure is raised by what this returns, which
-    writes the rest (the JSON files, config.json and the manifest) when nothing failed."""
+def _write_whole(src: CheckpointContents, folder: str, max_shard_bytes: int, *, keep_gathering: bool
+                 ) -> tuple[int, Callable[[], None]]:
+    """Write the shards of whole tensors into `folder`: one process's save, or rank 0's of a save whose folder
+    the other ranks do not see (they take part in the gathers through `_write(src, None, ...)`). Returns the
+    tensors' bytes and what writes the rest (the JSON files, config.json and the manifest). With
+    `keep_gathering`, a failed write stops the writing but not the gathers, so the other ranks' collectives
+    are all met, and the failure is raised by what this returns."""
     model = list(_model_tensors(src))
     optimizer = list(_optimizer_tensors(src)) if src.optimizer is not None else None
-    failed: list[Exception] = []
+    failed: list[Exception] | None = [] if keep_gathering else None
     files: dict[str, dict[str, Any]] = {}
     small = {MODEL_INDEX: _write_sharded(folder, "model", model, max_shard_bytes, src, files, failed)}
     if optimizer is not None:
@@ -562,17 +562,14 @@ def _write(src: CheckpointContents, folder: str | None, max_shard_bytes: int) ->
     """Write the whole checkpoint into the empty directory `folder`, every file fsynced, manifest.json last;
     return the tensors' bytes written. With several ranks whose folders are not shared, the ranks other than 0 pass
     None: they take part in gathering every tensor only."""
-    optimizer = list(_optimizer_tensors(src)) if src.optimizer is not None else None
     if folder is None:
         _write_sharded(None, "model", list(_model_tensors(src)), max_shard_bytes, src, {})
-        if optimizer is not None:
-            _write_sharded(None, "optimizer", optimizer, max_shard_bytes, src, {})
+        if src.optimizer is not None:
+            _write_sharded(None, "optimizer", list(_optimizer_tensors(src)), max_shard_bytes, src, {})
         return 0
-    _save_config(src, folder)
-    model = list(_model_tensors(src))
-    _write_folder(folder, model, optimizer, trainer_state(src) if optimizer is not None else None, max_shard_bytes,
-                  src)
-    return sum(_nbytes_of(t) for t in model + (optimizer or []))
+    written, finish = _write_whole(src, folder, max_shard_bytes, keep_gathering=False)
+    finish()
+    return written
 
 
 def _save_config(src: CheckpointContents, folder: str) -> None:

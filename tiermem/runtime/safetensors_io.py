@@ -398,8 +398,7 @@ class SafetensorsRangeWriter(_Staged):
     def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  engine: IOEngine | None) -> None:
         self.path = path
-        head, self.places, self.size = _header(specs)
-        self.header_crc32 = zlib.crc32(head)
+        self.places = _header(specs)[1]  # tensor -> (offset in the file, bytes)
         self.bytes_written = 0
         self._engine = engine
         self._io = IOFile(path, "w", direct=engine is not None)
