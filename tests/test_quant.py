@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests import models
-from tiermem import ConfigError, OffloadError, tiered_offload
+from tiermem import ConfigError, OffloadError, quant, tiered_offload
 from tiermem.config import load_config
-from tiermem.quant import Quantization
+from tiermem.quant import CompressedWeight, Quantization
 
 pytest.importorskip("transformers")
 
@@ -163,3 +163,89 @@ def test_bad_storage_settings_name_their_key(key: str, value: Any, message: str)
     """A storage or group size that cannot be used is a ConfigError naming the key."""
     with pytest.raises(ConfigError, match=message):
         load_config(None, **{key: value})
+
+
+@pytest.mark.parametrize("build", [models.gpt2, models.llama], ids=["gpt2", "llama"])
+def test_weights_expanded_at_use_compute_what_the_whole_expansion_computes(tmp_path, monkeypatch,
+                                                                         build: Any) -> None:
+    """On the CPU, int8 weights held by Linear, Conv1D and Embedding modules stay compressed while their unit
+    computes and are expanded a piece at a time inside the products (see [Note: expanded where used]): every
+    unit of GPT-2 (Conv1D, a tied embedding and head) and Llama takes that path, no weight is expanded whole,
+    the logits and greedy tokens are those of the units expanded whole, and the Parameters are back after."""
+    ref, ckpt = _checkpoint(tmp_path, build)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    calls = {"linear": 0, "conv1d": 0, "embedding": 0, "whole": 0}
+    for name in ("as_linear", "as_conv1d", "as_embedding", "whole"):
+        original = getattr(CompressedWeight, name)
+
+        def counted(self: Any, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            calls[_name.removeprefix("as_")] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(CompressedWeight, name, counted)
+    monkeypatch.setattr(quant, "AT_USE_CHUNK", 4096)  # several pieces per weight at this width
+
+    def run(storage_dir: str) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+        with torch.device("meta"):
+            model = type(ref)(ref.config).eval()
+        settings = {**_settings(tmp_path, "int8", "320KiB"), "nvme.paths": [str(tmp_path / storage_dir)]}
+        with tiered_offload(model, checkpoint=ckpt, restore=False, **settings) as tm:
+            with torch.no_grad():
+                logits = model(ids).logits
+                tokens = model.generate(ids[:1, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
+            at_use = [u.at_use for u in tm.runtime.units]
+        held = {id(p) for p in model.parameters()}
+        assert all(type(p) is torch.nn.Parameter for p in model.parameters()), "a CompressedWeight was left behind"
+        assert len(held) == len(list(model.parameters()))
+        return logits, tokens, at_use
+
+    got, got_tokens, at_use = run("swap-at-use")
+    assert all(a is not None for a in at_use[1:]) and any(a is not None for a in at_use), at_use
+    assert calls["whole"] == 0, calls
+    assert calls["linear"] + calls["conv1d"] > 0 and calls["embedding"] > 0, calls
+    monkeypatch.setattr("tiermem.offload.at_use_holders", lambda *a: None)
+    want, want_tokens, at_use = run("swap-whole")
+    assert all(a is None for a in at_use)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_tokens, want_tokens)
+
+
+@pytest.mark.parametrize(("shape", "group"), [((96, 100), 64), ((130, 256), 128), ((3, 7), 8)],
+                         ids=["rows-straddle-groups", "whole-groups", "last-group-padded"])
+def test_a_compressed_weight_in_any_use_is_its_expansion(shape: tuple[int, int], group: int) -> None:
+    """A CompressedWeight gives what its whole expansion gives in its fast products (F.linear, torch.addmm as
+    Conv1D uses it, F.embedding) and in any other operation (expanded whole for that call), reports the
+    expansion's shape, dtype and device without expanding, and prints without its values."""
+    q = Quantization(8, group)
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    specs = dict(q.specs("w", w.to(device="meta")))
+    values, scales = torch.empty(specs["w#q"].shape, dtype=torch.int8), torch.empty(specs["w#scale"].shape)
+    q.quantize_into(w, values, scales)
+    whole = torch.empty(shape)
+    q.dequantize_into(values, scales, whole)
+    cw = CompressedWeight(values, scales, shape, torch.float32, q)
+    assert (cw.shape, cw.dtype, cw.device, cw.dim(), cw.numel()) == (whole.shape, torch.float32, whole.device, 2,
+                                                                       whole.numel())
+    assert "CompressedWeight(shape=" in repr(cw)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 4, shape[1], generator=g)
+    bias = torch.randn(shape[0], generator=g)
+    import torch.nn.functional as F
+
+    old = quant.AT_USE_CHUNK
+    quant.AT_USE_CHUNK = 2 * shape[1]  # a few rows at a time
+    try:
+        torch.testing.assert_close(F.linear(x, cw, bias), F.linear(x, whole, bias), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(F.linear(x, cw), F.linear(x, whole), rtol=1e-6, atol=1e-6)
+        x2 = torch.randn(6, shape[0], generator=g)
+        b2 = torch.randn(shape[1], generator=g)
+        # Conv1D's product sums the input dimension in pieces: the rounding differs, within a few float32 steps
+        torch.testing.assert_close(torch.addmm(b2, x2, cw), torch.addmm(b2, x2, whole), rtol=1e-5, atol=1e-5)
+    finally:
+        quant.AT_USE_CHUNK = old
+    ids = torch.tensor([[0, shape[0] - 1], [1, 1]])
+    assert torch.equal(F.embedding(ids, cw), F.embedding(ids, whole))
+    assert torch.equal(cw * 2, whole * 2)
+    assert torch.equal(cw.t().contiguous(), whole.t().contiguous())
+    assert torch.equal(cw.sum(0), whole.sum(0))
+    assert type(cw * 2) is torch.Tensor

@@ -35,7 +35,7 @@ from tiermem.interrupts import deferred_interrupts
 from tiermem.io.bandwidth import path_weights
 from tiermem.io.engine import IOEngine
 from tiermem.optim import TieredOptimizer, loop_helpers, unsupported
-from tiermem.quant import Quantization
+from tiermem.quant import Quantization, at_use_holders
 from tiermem.runtime.runtime import Runtime
 from tiermem.runtime.safetensors_io import SafetensorsCheckpoint
 from tiermem.runtime.sources import WeightSources
@@ -982,8 +982,13 @@ def _place_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: Weigh
                 ranks.keep_mine(made[fqn] if fqn in made else p.detach(), views[fqn])
 
     part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill, zero=ranks.sharded)
+    at_use = None
+    if quant is not None and quant.bits == 8 and swapper.device.type == "cpu" and not swapper.mover.has_own_memory:
+        # the CPU computing from host memory: weights used by products expand at use ([Note: expanded where used])
+        at_use = at_use_holders(list(up.params.items()), holders,
+                                {name[: -len("#q")] for name, _ in stored if name.endswith("#q")})
     unit = Unit(index, up.name, list(up.params.items()), part, swapper.device, ranks,
-                Layout.of(whole) if ranks.sharded or quant is not None else None, quant)
+                Layout.of(whole) if ranks.sharded or quant is not None else None, quant, at_use)
     replaced: dict[int, nn.Parameter] = {}
     for k, (fqn, p) in enumerate(unit.params):
         if p.is_meta:  # a meta tensor cannot take real storage through .data: give it a real Parameter

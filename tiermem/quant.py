@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +85,14 @@ class Quantization:
             u = (q + 8).to(torch.uint8)
             values.copy_(u[0::2] | (u[1::2] << 4))
 
-    def dequantize_into(self, values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        """Expand stored `values` and `scales` into `out` (the parameter's shape, compute dtype, same device)."""
+    def dequantize_into(self, values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, start: int = 0) -> None:
+        """Expand stored `values` and `scales` into `out` (the parameter's shape, compute dtype, same device); with
+        `start` (a multiple of the group), only the `out.numel()` values from that one, flat, into `out`."""
         numel, g = out.numel(), self.group
         flat = out.view(-1)
+        if start:
+            assert start % g == 0, (start, g)
+            values, scales = values[start if self.bits == 8 else start // 2:], scales[start // g:]
         if out.is_cuda and self.bits == 8 and _cupy() is not None:
             _cupy_dequantize(values, scales, flat, g)
             return
@@ -100,7 +109,191 @@ class Quantization:
             rows.mul_(scales[: full // g].to(out.dtype)[:, None])
         if full < numel:  # the last, padded group
             tail = values[full:] if self.bits == 8 else _unpack4(values[full // 2 :])
-            flat[full:].copy_(tail[: numel - full].to(torch.float32) * scales[-1])
+            flat[full:].copy_(tail[: numel - full].to(torch.float32) * scales[full // g])
+
+
+# [Note: expanded where used]
+# On a CUDA device a unit's compressed weights are expanded whole, by one kernel at memory bandwidth, and
+# the matrix products then read them. On the CPU, the compute device being the host, the whole expansion
+# writes float32 weights (four times the bytes stored) into a buffer of the unit's size, and the products
+# read them back: a 1 x 8 forward of GPT-2 medium's shape from int8 spent 0.10 s of its 0.21 s expanding
+# (cProfile), against 0.11 s for the whole forward in memory, and the device's ledger had to hold two
+# expanded units (2 x 206 MB while the tied embedding computes). So on the CPU an int8 weight held only by
+# nn.Linear, nn.Embedding and transformers' Conv1D modules is not expanded at the unit's entry: while the
+# unit is bound, those modules hold a `CompressedWeight` in its place (`Unit.bind`), and F.linear,
+# torch.addmm (Conv1D's product) and F.embedding on it expand `AT_USE_CHUNK` values at a time into one
+# scratch buffer that stays in the core's cache, and multiply from there. A Linear takes a block of output
+# rows at a time (each output still one product over the whole input); a Conv1D a block of input rows,
+# added into the output (the sum over the input in pieces: the rounding, not the values, may differ from
+# the whole expansion's); an embedding expands only the rows it looks up. Any other use of such a weight (a
+# module reading `.weight` itself) gets it expanded whole for that call, so nothing computes wrong; only the
+# fast paths avoid the copy. Measured on that forward, alternating fresh processes against the whole
+# expansion: 0.18-0.23 s against 0.25-0.27 s (docs/benchmarks.md). The expansion's arithmetic (int8 to
+# float32, times the scale) is the same either way and is most of what is left. int4 and other devices
+# expand whole, as before.
+AT_USE_CHUNK = 1 << 19  # values expanded at a time: 2 MiB of float32, within one core's L2 cache here
+_scratch = threading.local()  # per thread: {(dtype, device): buffer of AT_USE_CHUNK values or more}
+
+
+def _scratch_for(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    buf = bufs.get((dtype, device))
+    if buf is None or buf.numel() < n:
+        buf = bufs[(dtype, device)] = torch.empty(max(n, AT_USE_CHUNK), dtype=dtype, device=device)
+    return buf[:n]
+
+
+class CompressedWeight(torch.Tensor):
+    """An int8 weight in a module's place while its unit computes on the CPU: shape, dtype and device of the
+    expanded weight, with its stored `values` and `scales` (see [Note: expanded where used])."""
+
+    packed: torch.Tensor  # the stored values (int8)
+    group_scales: torch.Tensor  # a float32 scale per group
+    quant: Quantization
+    shape_: tuple[int, ...]
+    dtype_: torch.dtype
+    device_: torch.device
+
+    @staticmethod
+    def __new__(cls, values: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                quant: Quantization) -> CompressedWeight:
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=values.device)
+        t.packed, t.group_scales, t.quant = values, scales, quant
+        # kept as plain attributes: each of the tensor's own getters passes through __torch_function__
+        t.shape_, t.dtype_, t.device_ = tuple(shape), dtype, values.device
+        return t
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"CompressedWeight(shape={self.shape_}, dtype={self.dtype_}, int{self.quant.bits})"
+
+    def whole(self) -> torch.Tensor:
+        """The weight expanded whole into a new tensor: for the uses no fast path takes."""
+        out = torch.empty(self.shape_, dtype=self.dtype_, device=self.device_)
+        self.quant.dequantize_into(self.packed, self.group_scales, out)
+        return out
+
+    def as_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, self, bias) for a weight of shape (out, in): a block of whole rows at a time."""
+        n_out, n_in = self.shape_
+        step = self.quant.group // math.gcd(n_in, self.quant.group)  # rows whose values fill whole groups
+        rows = max(step, AT_USE_CHUNK // n_in // step * step)
+        out: torch.Tensor | None = None
+        for r0 in range(0, n_out, rows):
+            r1 = min(n_out, r0 + rows)
+            w = _scratch_for((r1 - r0) * n_in, self.dtype_, self.device_)
+            self.quant.dequantize_into(self.packed, self.group_scales, w, start=r0 * n_in)
+            y = F.linear(x, w.view(r1 - r0, n_in), None if bias is None else bias[r0:r1])
+            if out is None:
+                out = y.new_empty((*y.shape[:-1], n_out))
+            out[..., r0:r1] = y
+        assert out is not None
+        return out
+
+    def as_conv1d(self, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """torch.addmm(bias, x, self) for a weight of shape (in, out), transformers' Conv1D: a block of whole
+        rows at a time, each block's product added into the output (the sum over the input dimension in pieces:
+        rounding, not values, may differ from one product over the whole weight)."""
+        n_in, n_out = self.shape_
+        step = self.quant.group // math.gcd(n_out, self.quant.group)
+        rows = max(step, AT_USE_CHUNK // n_out // step * step)
+        out: torch.Tensor | None = None
+        for r0 in range(0, n_in, rows):
+            r1 = min(n_in, r0 + rows)
+            w = _scratch_for((r1 - r0) * n_out, self.dtype_, self.device_)
+            self.quant.dequantize_into(self.packed, self.group_scales, w, start=r0 * n_out)
+            if out is None:
+                out = torch.addmm(bias, x[:, r0:r1], w.view(r1 - r0, n_out))
+            else:
+                out.addmm_(x[:, r0:r1], w.view(r1 - r0, n_out))
+        assert out is not None
+        return out
+
+    def as_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """F.embedding(ids, self) for a weight of shape (entries, width): only the rows looked up."""
+        n, width = self.shape_
+        g = self.quant.group
+        if width % g:
+            return F.embedding(ids, self.whole())
+        flat = ids.reshape(-1)
+        picked = self.packed[: n * width].view(n, width)[flat].to(self.dtype_).view(-1, width // g, g)
+        picked.mul_(self.group_scales[: n * width // g].view(n, width // g)[flat].to(self.dtype_)[..., None])
+        return picked.view(*ids.shape, width)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        fast = _AT_USE.get(func)
+        if fast is not None:
+            out = fast(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        with torch._C.DisableTorchFunctionSubclass():
+            if func in _METADATA or getattr(func, "__name__", "") == "__get__":
+                return func(*args, **kwargs)  # shape, dtype, device...: the wrapper has them
+            args, kwargs = pytree.tree_map_only(CompressedWeight, CompressedWeight.whole, (args, kwargs))
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        # reached only by what passes __torch_function__ by (an operator called from C++): expanded whole
+        args, kwargs = pytree.tree_map_only(CompressedWeight, CompressedWeight.whole, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _fast_linear(x: Any, weight: Any, bias: Any = None) -> Any:
+    if type(weight) is not CompressedWeight or isinstance(x, CompressedWeight) or isinstance(bias, CompressedWeight):
+        return NotImplemented
+    return weight.as_linear(x, bias)
+
+
+def _fast_addmm(bias: Any, x: Any, weight: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None) -> Any:
+    if (type(weight) is not CompressedWeight or isinstance(x, CompressedWeight) or isinstance(bias, CompressedWeight)
+            or beta != 1 or alpha != 1 or out is not None or x.dim() != 2 or weight.dim() != 2):
+        return NotImplemented
+    return weight.as_conv1d(bias, x)
+
+
+def _fast_embedding(ids: Any, weight: Any, padding_idx: Any = None, max_norm: Any = None, *args: Any,
+                    **kwargs: Any) -> Any:
+    # padding_idx, scale_grad_by_freq and sparse change only gradients; max_norm changes the weight
+    if type(weight) is not CompressedWeight or isinstance(ids, CompressedWeight) or max_norm is not None:
+        return NotImplemented
+    return weight.as_embedding(ids)
+
+
+_AT_USE: dict[Any, Any] = {F.linear: _fast_linear, torch.addmm: _fast_addmm, F.embedding: _fast_embedding}
+_METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.stride,
+             torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size,
+             torch.Tensor.is_contiguous, torch.Tensor.__hash__, torch.Tensor.__len__, torch.is_floating_point,
+             torch.Tensor.type}
+
+
+def at_use_holders(params: list[tuple[str, nn.Parameter]], holders: dict[int, list[tuple[nn.Module, str]]],
+                   quantized: set[str]) -> dict[str, list[tuple[nn.Module, str]]] | None:
+    """For a unit whose compressed parameters `quantized` (FQNs) are each held only by modules whose products
+    expand at use (see [Note: expanded where used]), each one's holders (module, attribute); else None."""
+    out: dict[str, list[tuple[nn.Module, str]]] = {}
+    for fqn, p in params:
+        if fqn not in quantized:
+            continue
+        mods = holders.get(id(p), [])
+        if not mods or not all(_expands_at_use(m, attr) for m, attr in mods):
+            return None
+        out[fqn] = mods
+    return out or None
+
+
+def _expands_at_use(module: nn.Module, attr: str) -> bool:
+    """Whether `module` uses its parameter `attr` only through a product that expands at use."""
+    if attr != "weight":
+        return False
+    kind = type(module)
+    if kind is nn.Linear:
+        return True
+    if kind is nn.Embedding:
+        return module.max_norm is None  # max_norm renormalises the rows it looks up, in the weight itself
+    # transformers' Conv1D (GPT-2 and kin): forward is torch.addmm(bias, x, weight) with weight (in, out)
+    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
 
 
 def _unpack4(packed: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ class Runtime:
         # with several ranks also the unit computing, gathered whole, and the next one's gather in flight
         gathered = max((3 * u.ranks.world * u.nbytes for u in units if u.ranks.sharded), default=0)
         # compressed units: the two in use expanded into their compute dtype (see [Note: compressed weights])
-        gathered += 2 * max((u.whole.size for u in units if u.quant is not None), default=0)
+        gathered += 2 * max((u.whole.size for u in units if u.quant is not None and u.at_use is None), default=0)
         swapper.derive_device_cap(largest, window, gathered)
 
     def _next_use(self, part: Partition) -> float:
@@ -493,7 +493,8 @@ class Runtime:
                 tensors = self.swapper.acquire(part, Tier.DEVICE, before_wait=lambda: self._prefetch(window))
                 if unit.ranks.sharded:  # this rank's chunks: gather the unit whole (see [Note: sharding])
                     tensors = self._finish_gather(unit, self._start_gather(unit))
-                elif unit.quant is not None:  # stored compressed: expand it (see [Note: compressed weights])
+                elif unit.quant is not None and unit.at_use is None:  # stored compressed: expand it whole
+                    # (see [Note: compressed weights]; or, at use, [Note: expanded where used])
                     tensors = self._expand(unit, tensors)
         except BaseException:
             unit.depth -= 1

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tiermem.distributed import Gathering, Ranks, finish_gather, start_gather
-from tiermem.quant import Quantization
+from tiermem.quant import CompressedWeight, Quantization
 from tiermem.swap import Layout, Partition, Tier
 
 
@@ -21,7 +21,8 @@ class Unit:
 
     def __init__(self, index: int, name: str, params: list[tuple[str, nn.Parameter]], partition: Partition,
                  device: torch.device, ranks: Ranks | None = None, whole: Layout | None = None,
-                 quant: Quantization | None = None) -> None:
+                 quant: Quantization | None = None,
+                 at_use: dict[str, list[tuple[nn.Module, str]]] | None = None) -> None:
         self.index = index
         self.name = name
         self.params = params  # (FQN, Parameter): the Parameter objects the model and optimizers hold
@@ -29,8 +30,12 @@ class Unit:
         self.ranks = ranks if ranks is not None else Ranks()
         self.whole = whole if whole is not None else partition.layout  # the unit's tensors, whole
         self.quant = quant  # how the partition stores compressed weights (see [Note: compressed weights]), or None
+        # compressed weights left compressed while bound: FQN -> the (module, attribute) places that hold it,
+        # each given a CompressedWeight (see [Note: expanded where used]); None: the unit is expanded whole
+        self.at_use = at_use
         self.depth = 0  # nested acquisitions in progress (a unit's modules may call each other)
         dtypes = {slot.name: slot.dtype for slot in self.whole.slots}  # compute dtype (params.dtype)
+        self.dtypes = [dtypes[fqn] for fqn, _ in params]  # each parameter's, for its CompressedWeight
         self.placeholders = [torch.empty(0, dtype=dtypes[fqn], device=device) for fqn, _ in params]
         self.shapes = [tuple(p.shape) for _, p in params]  # the real shapes, for restoring and errors
         self.orig = [(p.dtype, p.device) for _, p in params]  # dtype and device to restore on exit
@@ -75,16 +80,30 @@ class Unit:
                 self.ranks.keep_mine(p.data, mine[fqn])
 
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Point every parameter at its view in the partition (or in the gathered unit)."""
+        """Point every parameter at its view in the partition (or in the gathered unit). A unit whose weights
+        stay compressed (`at_use`) is bound from its compressed partition's tensors: each such weight's holders
+        get a CompressedWeight in its place, the other parameters their views."""
         with torch.no_grad():
-            for fqn, p in self.params:
-                p.data = tensors[fqn]
+            for k, (fqn, p) in enumerate(self.params):
+                places = self.at_use.get(fqn) if self.at_use is not None else None
+                if places is None:
+                    p.data = tensors[fqn]
+                    continue
+                assert self.quant is not None
+                w = CompressedWeight(tensors[f"{fqn}#q"], tensors[f"{fqn}#scale"], self.shapes[k], self.dtypes[k],
+                                     self.quant)
+                for module, attr in places:
+                    module._parameters[attr] = w  # type: ignore[assignment]  # until unbind
 
     def unbind(self) -> None:
-        """Point every parameter at its empty placeholder, dropping the last reference to the views."""
+        """Point every parameter at its empty placeholder, dropping the last reference to the views, and give
+        a weight left compressed its Parameter back in each of its places."""
         with torch.no_grad():
-            for (_, p), ph in zip(self.params, self.placeholders, strict=True):
+            for (fqn, p), ph in zip(self.params, self.placeholders, strict=True):
                 p.data = ph
+                if self.at_use is not None:
+                    for module, attr in self.at_use.get(fqn, ()):
+                        module._parameters[attr] = p
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {len(self.params)} params, {self.nbytes} bytes)"
