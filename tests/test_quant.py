@@ -165,10 +165,11 @@ def test_bad_storage_settings_name_their_key(key: str, value: Any, message: str)
         load_config(None, **{key: value})
 
 
+@pytest.mark.parametrize("storage", ["int8", "int4"])
 @pytest.mark.parametrize("build", [models.gpt2, models.llama], ids=["gpt2", "llama"])
 def test_weights_expanded_at_use_compute_what_the_whole_expansion_computes(tmp_path, monkeypatch,
-                                                                         build: Any) -> None:
-    """On the CPU, int8 weights held by Linear, Conv1D and Embedding modules stay compressed while their unit
+                                                                         build: Any, storage: str) -> None:
+    """On the CPU, compressed weights held by Linear, Conv1D and Embedding modules stay compressed while their unit
     computes and are expanded a piece at a time inside the products (see [Note: expanded where used]): every
     unit of GPT-2 (Conv1D, a tied embedding and head) and Llama takes that path, no weight is expanded whole,
     the logits and greedy tokens are those of the units expanded whole, and the Parameters are back after."""
@@ -188,7 +189,7 @@ def test_weights_expanded_at_use_compute_what_the_whole_expansion_computes(tmp_p
     def run(storage_dir: str) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
         with torch.device("meta"):
             model = type(ref)(ref.config).eval()
-        settings = {**_settings(tmp_path, "int8", "320KiB"), "nvme.paths": [str(tmp_path / storage_dir)]}
+        settings = {**_settings(tmp_path, storage, "320KiB"), "nvme.paths": [str(tmp_path / storage_dir)]}
         with tiered_offload(model, checkpoint=ckpt, restore=False, **settings) as tm:
             with torch.no_grad():
                 logits = model(ids).logits
@@ -210,16 +211,17 @@ def test_weights_expanded_at_use_compute_what_the_whole_expansion_computes(tmp_p
     assert torch.equal(got_tokens, want_tokens)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(("shape", "group"), [((96, 100), 64), ((130, 256), 128), ((3, 7), 8)],
                          ids=["rows-straddle-groups", "whole-groups", "last-group-padded"])
-def test_a_compressed_weight_in_any_use_is_its_expansion(shape: tuple[int, int], group: int) -> None:
+def test_a_compressed_weight_in_any_use_is_its_expansion(shape: tuple[int, int], group: int, bits: int) -> None:
     """A CompressedWeight gives what its whole expansion gives in its fast products (F.linear, torch.addmm as
     Conv1D uses it, F.embedding) and in any other operation (expanded whole for that call), reports the
     expansion's shape, dtype and device without expanding, and prints without its values."""
-    q = Quantization(8, group)
+    q = Quantization(bits, group)
     w = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     specs = dict(q.specs("w", w.to(device="meta")))
-    values, scales = torch.empty(specs["w#q"].shape, dtype=torch.int8), torch.empty(specs["w#scale"].shape)
+    values, scales = torch.empty_like(specs["w#q"], device="cpu"), torch.empty(specs["w#scale"].shape)
     q.quantize_into(w, values, scales)
     whole = torch.empty(shape)
     q.dequantize_into(values, scales, whole)

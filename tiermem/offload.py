@@ -983,7 +983,7 @@ def _place_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: Weigh
 
     part = swapper.add(up.name, specs, home=swapper.config.params.tier, fill=fill, zero=ranks.sharded)
     at_use = None
-    if quant is not None and quant.bits == 8 and swapper.device.type == "cpu" and not swapper.mover.has_own_memory:
+    if quant is not None and swapper.device.type == "cpu" and not swapper.mover.has_own_memory:
         # the CPU computing from host memory: weights used by products expand at use ([Note: expanded where used])
         at_use = at_use_holders(list(up.params.items()), holders,
                                 {name[: -len("#q")] for name, _ in stored if name.endswith("#q")})

@@ -118,7 +118,7 @@ class Quantization:
 # writes float32 weights (four times the bytes stored) into a buffer of the unit's size, and the products
 # read them back: a 1 x 8 forward of GPT-2 medium's shape from int8 spent 0.10 s of its 0.21 s expanding
 # (cProfile), against 0.11 s for the whole forward in memory, and the device's ledger had to hold two
-# expanded units (2 x 206 MB while the tied embedding computes). So on the CPU an int8 weight held only by
+# expanded units (2 x 206 MB while the tied embedding computes). So on the CPU a compressed weight held only by
 # nn.Linear, nn.Embedding and transformers' Conv1D modules is not expanded at the unit's entry: while the
 # unit is bound, those modules hold a `CompressedWeight` in its place (`Unit.bind`), and F.linear,
 # torch.addmm (Conv1D's product) and F.embedding on it expand `AT_USE_CHUNK` values at a time into one
@@ -129,8 +129,8 @@ class Quantization:
 # module reading `.weight` itself) gets it expanded whole for that call, so nothing computes wrong; only the
 # fast paths avoid the copy. Measured on that forward, alternating fresh processes against the whole
 # expansion: 0.18-0.23 s against 0.25-0.27 s (docs/benchmarks.md). The expansion's arithmetic (int8 to
-# float32, times the scale) is the same either way and is most of what is left. int4 and other devices
-# expand whole, as before.
+# float32, times the scale) is the same either way and is most of what is left. Other devices expand whole,
+# as before.
 AT_USE_CHUNK = 1 << 19  # values expanded at a time: 2 MiB of float32, within one core's L2 cache here
 _scratch = threading.local()  # per thread: {(dtype, device): buffer of AT_USE_CHUNK values or more}
 
@@ -144,10 +144,10 @@ def _scratch_for(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 class CompressedWeight(torch.Tensor):
-    """An int8 weight in a module's place while its unit computes on the CPU: shape, dtype and device of the
-    expanded weight, with its stored `values` and `scales` (see [Note: expanded where used])."""
+    """A compressed weight in a module's place while its unit computes on the CPU: shape, dtype and device of
+    the expanded weight, with its stored values and scales (see [Note: expanded where used])."""
 
-    packed: torch.Tensor  # the stored values (int8)
+    packed: torch.Tensor  # the stored values (int8, or uint8 with two 4-bit values a byte)
     group_scales: torch.Tensor  # a float32 scale per group
     quant: Quantization
     shape_: tuple[int, ...]
@@ -215,7 +215,11 @@ class CompressedWeight(torch.Tensor):
         if width % g:
             return F.embedding(ids, self.whole())
         flat = ids.reshape(-1)
-        picked = self.packed[: n * width].view(n, width)[flat].to(self.dtype_).view(-1, width // g, g)
+        if self.quant.bits == 8:
+            picked = self.packed[: n * width].view(n, width)[flat].to(self.dtype_).view(-1, width // g, g)
+        else:  # two values a byte, the first in the low half (see `quantize_into`)
+            packed = self.packed[: n * width // 2].view(n, width // 2)[flat]
+            picked = torch.stack((packed & 0x0F, packed >> 4), dim=-1).to(self.dtype_).sub_(8).view(-1, width // g, g)
         picked.mul_(self.group_scales[: n * width // g].view(n, width // g)[flat].to(self.dtype_)[..., None])
         return picked.view(*ids.shape, width)
 
