@@ -251,3 +251,29 @@ def test_a_compressed_weight_in_any_use_is_its_expansion(shape: tuple[int, int],
     assert torch.equal(cw.t().contiguous(), whole.t().contiguous())
     assert torch.equal(cw.sum(0), whole.sum(0))
     assert type(cw * 2) is torch.Tensor
+
+
+def test_a_compressed_weight_gives_its_input_the_gradients_the_expansion_gives(monkeypatch) -> None:
+    """With gradients wanted for the input (attributions, prompt tuning on a frozen compressed model), each
+    fast product keeps the pieces autograd saved instead of reusing one buffer: the input's gradient is the
+    whole expansion's."""
+    import torch.nn.functional as F
+
+    q = Quantization(8, 32)
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    specs = dict(q.specs("w", w.to(device="meta")))
+    values, scales = torch.empty_like(specs["w#q"], device="cpu"), torch.empty(specs["w#scale"].shape)
+    q.quantize_into(w, values, scales)
+    whole = torch.empty(w.shape)
+    q.dequantize_into(values, scales, whole)
+    cw = CompressedWeight(values, scales, tuple(w.shape), torch.float32, q)
+    monkeypatch.setattr(quant, "AT_USE_CHUNK", 4 * 96)  # several pieces
+    uses = {"linear": (96, lambda x, m: F.linear(x, m)),  # weight (out 64, in 96)
+            "conv1d": (64, lambda x, m: torch.addmm(torch.zeros(96), x, m))}  # weight (in 64, out 96)
+    for name, (width, use) in uses.items():
+        grads = []
+        for m in (cw, whole):
+            x = torch.randn(3, width, generator=torch.Generator().manual_seed(2), requires_grad=True)
+            (use(x, m) ** 2).sum().backward()
+            grads.append(x.grad)
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5, msg=name)

@@ -135,12 +135,21 @@ AT_USE_CHUNK = 1 << 19  # values expanded at a time: 2 MiB of float32, within on
 _scratch = threading.local()  # per thread: {(dtype, device): buffer of AT_USE_CHUNK values or more}
 
 
-def _scratch_for(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _scratch_for(n: int, dtype: torch.dtype, device: torch.device, saved: bool = False) -> torch.Tensor:
+    """`n` values of the thread's scratch buffer; a new tensor when autograd will keep it (`saved`): the next
+    piece would overwrite what the backward needs."""
+    if saved:
+        return torch.empty(n, dtype=dtype, device=device)
     bufs = _scratch.__dict__.setdefault("bufs", {})
     buf = bufs.get((dtype, device))
     if buf is None or buf.numel() < n:
         buf = bufs[(dtype, device)] = torch.empty(max(n, AT_USE_CHUNK), dtype=dtype, device=device)
     return buf[:n]
+
+
+def _saved(x: torch.Tensor) -> bool:
+    """Whether a product with `x` keeps its weight for the backward (gradients wanted for `x`)."""
+    return torch.is_grad_enabled() and x.requires_grad
 
 
 class CompressedWeight(torch.Tensor):
@@ -180,7 +189,7 @@ class CompressedWeight(torch.Tensor):
         out: torch.Tensor | None = None
         for r0 in range(0, n_out, rows):
             r1 = min(n_out, r0 + rows)
-            w = _scratch_for((r1 - r0) * n_in, self.dtype_, self.device_)
+            w = _scratch_for((r1 - r0) * n_in, self.dtype_, self.device_, _saved(x))
             self.quant.dequantize_into(self.packed, self.group_scales, w, start=r0 * n_in)
             y = F.linear(x, w.view(r1 - r0, n_in), None if bias is None else bias[r0:r1])
             if out is None:
@@ -199,7 +208,7 @@ class CompressedWeight(torch.Tensor):
         out: torch.Tensor | None = None
         for r0 in range(0, n_in, rows):
             r1 = min(n_in, r0 + rows)
-            w = _scratch_for((r1 - r0) * n_out, self.dtype_, self.device_)
+            w = _scratch_for((r1 - r0) * n_out, self.dtype_, self.device_, _saved(x))
             self.quant.dequantize_into(self.packed, self.group_scales, w, start=r0 * n_out)
             if out is None:
                 out = torch.addmm(bias, x[:, r0:r1], w.view(r1 - r0, n_out))
@@ -268,8 +277,7 @@ def _fast_embedding(ids: Any, weight: Any, padding_idx: Any = None, max_norm: An
 _AT_USE: dict[Any, Any] = {F.linear: _fast_linear, torch.addmm: _fast_addmm, F.embedding: _fast_embedding}
 _METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.stride,
              torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size,
-             torch.Tensor.is_contiguous, torch.Tensor.__hash__, torch.Tensor.__len__, torch.is_floating_point,
-             torch.Tensor.type}
+             torch.Tensor.is_contiguous, torch.Tensor.__hash__, torch.Tensor.__len__, torch.is_floating_point}
 
 
 def at_use_holders(params: list[tuple[str, nn.Parameter]], holders: dict[int, list[tuple[nn.Module, str]]],
