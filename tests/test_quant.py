@@ -247,6 +247,14 @@ def test_a_compressed_weight_in_any_use_is_its_expansion(shape: tuple[int, int],
         quant.AT_USE_CHUNK = old
     ids = torch.tensor([[0, shape[0] - 1], [1, 1]])
     assert torch.equal(F.embedding(ids, cw), F.embedding(ids, whole))
+    assert torch.equal(F.embedding(input=ids, weight=cw), F.embedding(ids, whole))  # torch's keyword names
+    torch.testing.assert_close(F.linear(input=x, weight=cw, bias=bias), F.linear(x, whole, bias))
+    for bad in (torch.tensor([-1]), torch.tensor([shape[0]])):  # out of range: raised, as F.embedding does
+        with pytest.raises((IndexError, RuntimeError)):
+            F.embedding(bad, cw)
+    for edit in (lambda t: t.mul_(0), lambda t: t.copy_(whole), lambda t: t.__iadd__(1)):
+        with pytest.raises(OffloadError, match="read-only while their unit computes"):
+            edit(cw)
     assert torch.equal(cw * 2, whole * 2)
     assert torch.equal(cw.t().contiguous(), whole.t().contiguous())
     assert torch.equal(cw.sum(0), whole.sum(0))
@@ -277,3 +285,57 @@ def test_a_compressed_weight_gives_its_input_the_gradients_the_expansion_gives(m
             (use(x, m) ** 2).sum().backward()
             grads.append(x.grad)
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_forwards_that_record_gradients_or_autocast_expand_whole_and_an_interrupt_leaves_no_stand_in(
+        tmp_path, monkeypatch) -> None:
+    """Expanding where used is for forwards without gradients: one that records them (whose saved pieces would
+    add up to the whole weight outside the budget, and whose weights would get no gradient), or one under the
+    CPU's autocast, expands its units whole and computes what the whole expansion computes. A KeyboardInterrupt
+    in the middle of a unit's forward (which torch's always-call hooks do not see) leaves no CompressedWeight in
+    the model after the context ends."""
+    ref, ckpt = _checkpoint(tmp_path, models.gpt2)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    products = []
+    original = CompressedWeight.as_conv1d
+
+    def counted(self: Any, *args: Any) -> Any:
+        products.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(CompressedWeight, "as_conv1d", counted)
+    with torch.device("meta"):
+        model = type(ref)(ref.config).eval()
+    with tiered_offload(model, checkpoint=ckpt, restore=False, **_settings(tmp_path, "int8")):
+        with torch.no_grad():
+            at_use = model(ids).logits
+        assert products
+        products.clear()
+        recorded = model(ids).logits  # gradients recorded: expanded whole
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(ids).logits
+        assert not products
+    with torch.device("meta"):
+        model = type(ref)(ref.config).eval()
+    monkeypatch.setattr("tiermem.offload.at_use_holders", lambda *a: None)
+    with tiered_offload(model, checkpoint=ckpt, restore=False, **_settings(tmp_path / "whole", "int8")):
+        with torch.no_grad():
+            torch.testing.assert_close(at_use, model(ids).logits, rtol=1e-5, atol=1e-6)
+            assert torch.equal(recorded.detach(), model(ids).logits)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert torch.equal(autocast, model(ids).logits)
+    monkeypatch.undo()
+
+    with torch.device("meta"):
+        model = type(ref)(ref.config).eval()
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    model.transformer.h[1].mlp.c_proj.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with tiered_offload(model, checkpoint=ckpt, restore=False, **_settings(tmp_path / "cut", "int8")):
+            with torch.no_grad():
+                model(ids)
+    left = [name for name, p in model.named_parameters() if type(p) is not torch.nn.Parameter]
+    assert not left, left

@@ -35,7 +35,7 @@ from tiermem.interrupts import deferred_interrupts
 from tiermem.io.bandwidth import path_weights
 from tiermem.io.engine import IOEngine
 from tiermem.optim import TieredOptimizer, loop_helpers, unsupported
-from tiermem.quant import Quantization, at_use_holders
+from tiermem.quant import Quantization, at_use_holders, release_scratch
 from tiermem.runtime.runtime import Runtime
 from tiermem.runtime.safetensors_io import SafetensorsCheckpoint
 from tiermem.runtime.sources import WeightSources
@@ -985,8 +985,9 @@ def _place_unit(index: int, up: UnitPlan, swapper: TensorSwapper, sources: Weigh
     at_use = None
     if quant is not None and swapper.device.type == "cpu" and not swapper.mover.has_own_memory:
         # the CPU computing from host memory: weights used by products expand at use ([Note: expanded where used])
+        dtypes = {fqn: meta.dtype for fqn, meta in whole}
         at_use = at_use_holders(list(up.params.items()), holders,
-                                {name[: -len("#q")] for name, _ in stored if name.endswith("#q")})
+                                {name[:-2]: dtypes[name[:-2]] for name, _ in stored if name.endswith("#q")})
     unit = Unit(index, up.name, list(up.params.items()), part, swapper.device, ranks,
                 Layout.of(whole) if ranks.sharded or quant is not None else None, quant, at_use)
     replaced: dict[int, nn.Parameter] = {}
@@ -1055,6 +1056,9 @@ def _restore_buffers(moved: list[tuple[nn.Module, str, torch.device]]) -> None:
 
 # -- exit -------------------------------------------------------------------------------------------
 def _unpack(handle: OffloadHandle, restore: bool, raised: bool = False) -> None:
+    for unit in handle.units:  # a forward cut short by an interrupt leaves its unit bound: see Unit.restore_places
+        unit.restore_places()
+    release_scratch()
     if restore and raised and handle.units and handle.units[0].ranks.sharded:
         # gathering needs every rank, and the others may be waiting in a collective of the failed step (or be
         # gone): the parameters are left on the meta device, named, rather than paired with the wrong gathers;

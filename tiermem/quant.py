@@ -29,6 +29,7 @@ import functools
 import logging
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
+
+from tiermem.errors import OffloadError
 
 log = logging.getLogger(__name__)
 
@@ -113,24 +116,29 @@ class Quantization:
 
 
 # [Note: expanded where used]
-# On a CUDA device a unit's compressed weights are expanded whole, by one kernel at memory bandwidth, and
-# the matrix products then read them. On the CPU, the compute device being the host, the whole expansion
-# writes float32 weights (four times the bytes stored) into a buffer of the unit's size, and the products
-# read them back: a 1 x 8 forward of GPT-2 medium's shape from int8 spent 0.10 s of its 0.21 s expanding
-# (cProfile), against 0.11 s for the whole forward in memory, and the device's ledger had to hold two
-# expanded units (2 x 206 MB while the tied embedding computes). So on the CPU a compressed weight held only by
-# nn.Linear, nn.Embedding and transformers' Conv1D modules is not expanded at the unit's entry: while the
-# unit is bound, those modules hold a `CompressedWeight` in its place (`Unit.bind`), and F.linear,
-# torch.addmm (Conv1D's product) and F.embedding on it expand `AT_USE_CHUNK` values at a time into one
-# scratch buffer that stays in the core's cache, and multiply from there. A Linear takes a block of output
-# rows at a time (each output still one product over the whole input); a Conv1D a block of input rows,
-# added into the output (the sum over the input in pieces: the rounding, not the values, may differ from
-# the whole expansion's); an embedding expands only the rows it looks up. Any other use of such a weight (a
+# On a CUDA device a unit's compressed weights are expanded whole, by one kernel at memory bandwidth, and the
+# matrix products then read them. On the CPU, the compute device being the host, the whole expansion writes
+# float32 weights (four times the bytes stored) into a buffer of the unit's size, and the products read them
+# back: a 1 x 8 forward of GPT-2 medium's shape from int8 spent 0.10 s of its 0.21 s expanding (cProfile),
+# against 0.11 s for the whole forward in memory, and the device's ledger had to hold two expanded units (2 x
+# 206 MB while the tied embedding computes). So on the CPU a compressed weight held only by nn.Linear,
+# nn.Embedding and transformers' Conv1D modules is not expanded at the unit's entry: while the unit is bound,
+# those modules hold a `CompressedWeight` in its place (`Unit.bind`), and F.linear, torch.addmm (Conv1D's
+# product) and F.embedding on it expand `AT_USE_CHUNK` values at a time into one scratch buffer that stays in
+# the core's cache, and multiply from there. A Linear takes a block of output rows at a time (each output still
+# one product over the whole input); a Conv1D a block of input rows, added into the output (the sum over the
+# input in pieces: the rounding, not the values, may differ from the whole expansion's, so Conv1D takes this
+# path in float32 only); an embedding expands only the rows it looks up. Any other use of such a weight (a
 # module reading `.weight` itself) gets it expanded whole for that call, so nothing computes wrong; only the
-# fast paths avoid the copy. Measured on that forward, alternating fresh processes against the whole
-# expansion: 0.18-0.23 s against 0.25-0.27 s (docs/benchmarks.md). The expansion's arithmetic (int8 to
-# float32, times the scale) is the same either way and is most of what is left. Other devices expand whole,
-# as before.
+# fast paths avoid the copy; an in-place edit of it is an OffloadError (it would be lost, as edits of a whole
+# expansion always were). This is for forwards without gradients (torch.no_grad, inference_mode, generate()) and
+# without the CPU's autocast (`expands_at_use_now`): a forward that records gradients would keep every piece it
+# multiplied by alive until the backward, outside the budget, and give the weights none; it expands its units
+# whole, counted on the ledger, as before. A unit cut short by an interrupt (torch's always-call hooks do not
+# see KeyboardInterrupt) has its Parameters put back at exit (`Unit.restore_places`). Measured on that forward,
+# alternating fresh processes against the whole expansion: 0.18-0.23 s against 0.25-0.27 s (docs/benchmarks.md).
+# The expansion's arithmetic (int8 to float32, times the scale) is the same either way and is most of what is
+# left. Other devices expand whole, as before.
 AT_USE_CHUNK = 1 << 19  # values expanded at a time: 2 MiB of float32, within one core's L2 cache here
 _scratch = threading.local()  # per thread: {(dtype, device): buffer of AT_USE_CHUNK values or more}
 
@@ -181,17 +189,24 @@ class CompressedWeight(torch.Tensor):
         self.quant.dequantize_into(self.packed, self.group_scales, out)
         return out
 
+    def _pieces(self, n_rows: int, width: int, x: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """The weight's rows (`n_rows` of `width` values), expanded a block of them at a time, each block whole
+        groups: (first row, end row, the block). The block's memory is reused for the next one unless a product
+        with `x` keeps it for the backward."""
+        step = self.quant.group // math.gcd(width, self.quant.group)
+        rows = max(step, AT_USE_CHUNK // width // step * step)
+        for r0 in range(0, n_rows, rows):
+            r1 = min(n_rows, r0 + rows)
+            w = _scratch_for((r1 - r0) * width, self.dtype_, self.device_, _saved(x))
+            self.quant.dequantize_into(self.packed, self.group_scales, w, start=r0 * width)
+            yield r0, r1, w.view(r1 - r0, width)
+
     def as_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, self, bias) for a weight of shape (out, in): a block of whole rows at a time."""
         n_out, n_in = self.shape_
-        step = self.quant.group // math.gcd(n_in, self.quant.group)  # rows whose values fill whole groups
-        rows = max(step, AT_USE_CHUNK // n_in // step * step)
         out: torch.Tensor | None = None
-        for r0 in range(0, n_out, rows):
-            r1 = min(n_out, r0 + rows)
-            w = _scratch_for((r1 - r0) * n_in, self.dtype_, self.device_, _saved(x))
-            self.quant.dequantize_into(self.packed, self.group_scales, w, start=r0 * n_in)
-            y = F.linear(x, w.view(r1 - r0, n_in), None if bias is None else bias[r0:r1])
+        for r0, r1, w in self._pieces(n_out, n_in, x):
+            y = F.linear(x, w, None if bias is None else bias[r0:r1])
             if out is None:
                 out = y.new_empty((*y.shape[:-1], n_out))
             out[..., r0:r1] = y
@@ -201,19 +216,15 @@ class CompressedWeight(torch.Tensor):
     def as_conv1d(self, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """torch.addmm(bias, x, self) for a weight of shape (in, out), transformers' Conv1D: a block of whole
         rows at a time, each block's product added into the output (the sum over the input dimension in pieces:
-        rounding, not values, may differ from one product over the whole weight)."""
+        rounding, not values, may differ from one product over the whole weight; float32 only, where that
+        rounding is a few float32 steps, not a bfloat16 one per piece)."""
         n_in, n_out = self.shape_
-        step = self.quant.group // math.gcd(n_out, self.quant.group)
-        rows = max(step, AT_USE_CHUNK // n_out // step * step)
         out: torch.Tensor | None = None
-        for r0 in range(0, n_in, rows):
-            r1 = min(n_in, r0 + rows)
-            w = _scratch_for((r1 - r0) * n_out, self.dtype_, self.device_, _saved(x))
-            self.quant.dequantize_into(self.packed, self.group_scales, w, start=r0 * n_out)
+        for r0, r1, w in self._pieces(n_in, n_out, x):
             if out is None:
-                out = torch.addmm(bias, x[:, r0:r1], w.view(r1 - r0, n_out))
+                out = torch.addmm(bias, x[:, r0:r1], w)
             else:
-                out.addmm_(x[:, r0:r1], w.view(r1 - r0, n_out))
+                out.addmm_(x[:, r0:r1], w)
         assert out is not None
         return out
 
@@ -223,13 +234,15 @@ class CompressedWeight(torch.Tensor):
         g = self.quant.group
         if width % g:
             return F.embedding(ids, self.whole())
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1)  # index_select: an id out of range raises, as F.embedding's does
         if self.quant.bits == 8:
-            picked = self.packed[: n * width].view(n, width)[flat].to(self.dtype_).view(-1, width // g, g)
+            picked = self.packed[: n * width].view(n, width).index_select(0, flat).to(self.dtype_)
         else:  # two values a byte, the first in the low half (see `quantize_into`)
-            packed = self.packed[: n * width // 2].view(n, width // 2)[flat]
-            picked = torch.stack((packed & 0x0F, packed >> 4), dim=-1).to(self.dtype_).sub_(8).view(-1, width // g, g)
-        picked.mul_(self.group_scales[: n * width // g].view(n, width // g)[flat].to(self.dtype_)[..., None])
+            packed = self.packed[: n * width // 2].view(n, width // 2).index_select(0, flat)
+            picked = torch.stack((packed & 0x0F, packed >> 4), dim=-1).to(self.dtype_).sub_(8)
+        picked = picked.view(-1, width // g, g)
+        scales = self.group_scales[: n * width // g].view(n, width // g).index_select(0, flat)
+        picked.mul_(scales.to(self.dtype_)[..., None])
         return picked.view(*ids.shape, width)
 
     @classmethod
@@ -240,8 +253,14 @@ class CompressedWeight(torch.Tensor):
             out = fast(*args, **kwargs)
             if out is not NotImplemented:
                 return out
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.endswith("__") or name in _IN_PLACE) and args and \
+                type(args[0]) is CompressedWeight:
+            raise OffloadError(f"{name}() on a weight that params.storage keeps compressed: such weights are "
+                               "read-only while their unit computes (an edit would be lost); use params.storage: "
+                               "full to change weights")
         with torch._C.DisableTorchFunctionSubclass():
-            if func in _METADATA or getattr(func, "__name__", "") == "__get__":
+            if func in _METADATA or name == "__get__":
                 return func(*args, **kwargs)  # shape, dtype, device...: the wrapper has them
             args, kwargs = pytree.tree_map_only(CompressedWeight, CompressedWeight.whole, (args, kwargs))
             return func(*args, **kwargs)
@@ -253,27 +272,45 @@ class CompressedWeight(torch.Tensor):
         return func(*args, **kwargs)
 
 
-def _fast_linear(x: Any, weight: Any, bias: Any = None) -> Any:
-    if type(weight) is not CompressedWeight or isinstance(x, CompressedWeight) or isinstance(bias, CompressedWeight):
+# The fast paths take the arguments by torch's own names, so keyword calls reach them too.
+def _fast_linear(input: Any, weight: Any, bias: Any = None) -> Any:
+    if (type(weight) is not CompressedWeight or isinstance(input, CompressedWeight)
+            or isinstance(bias, CompressedWeight)):
         return NotImplemented
-    return weight.as_linear(x, bias)
+    return weight.as_linear(input, bias)
 
 
-def _fast_addmm(bias: Any, x: Any, weight: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None) -> Any:
-    if (type(weight) is not CompressedWeight or isinstance(x, CompressedWeight) or isinstance(bias, CompressedWeight)
-            or beta != 1 or alpha != 1 or out is not None or x.dim() != 2 or weight.dim() != 2):
+def _fast_addmm(input: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1,
+                out: Any = None) -> Any:
+    if (type(mat2) is not CompressedWeight or isinstance(mat1, CompressedWeight) or isinstance(input, CompressedWeight)
+            or beta != 1 or alpha != 1 or out is not None or mat1.dim() != 2 or mat2.dim() != 2
+            or mat2.dtype_ is not torch.float32):  # in float32 only: see as_conv1d
         return NotImplemented
-    return weight.as_conv1d(bias, x)
+    return mat2.as_conv1d(input, mat1)
 
 
-def _fast_embedding(ids: Any, weight: Any, padding_idx: Any = None, max_norm: Any = None, *args: Any,
-                    **kwargs: Any) -> Any:
+def _fast_embedding(input: Any, weight: Any, padding_idx: Any = None, max_norm: Any = None,
+                    norm_type: Any = 2.0, scale_grad_by_freq: Any = False, sparse: Any = False) -> Any:
     # padding_idx, scale_grad_by_freq and sparse change only gradients; max_norm changes the weight
-    if type(weight) is not CompressedWeight or isinstance(ids, CompressedWeight) or max_norm is not None:
+    if type(weight) is not CompressedWeight or isinstance(input, CompressedWeight) or max_norm is not None:
         return NotImplemented
-    return weight.as_embedding(ids)
+    return weight.as_embedding(input)
 
 
+def expands_at_use_now() -> bool:
+    """Whether a unit whose products can expand its weights at use does so in this forward: not while it
+    records gradients (the weights' own, or its inputs', would keep every piece alive until the backward,
+    outside the budget) and not under the CPU's autocast; otherwise it is expanded whole, as elsewhere."""
+    return not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+
+
+def release_scratch() -> None:
+    """Drop this thread's scratch buffers (when the context ends)."""
+    _scratch.__dict__.pop("bufs", None)
+
+
+_IN_PLACE = {"__set__", "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+             "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"}
 _AT_USE: dict[Any, Any] = {F.linear: _fast_linear, torch.addmm: _fast_addmm, F.embedding: _fast_embedding}
 _METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.stride,
              torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size,
@@ -281,22 +318,24 @@ _METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tens
 
 
 def at_use_holders(params: list[tuple[str, nn.Parameter]], holders: dict[int, list[tuple[nn.Module, str]]],
-                   quantized: set[str]) -> dict[str, list[tuple[nn.Module, str]]] | None:
-    """For a unit whose compressed parameters `quantized` (FQNs) are each held only by modules whose products
-    expand at use (see [Note: expanded where used]), each one's holders (module, attribute); else None."""
+                   quantized: dict[str, torch.dtype]) -> dict[str, list[tuple[nn.Module, str]]] | None:
+    """For a unit whose compressed parameters `quantized` (FQN -> compute dtype) are each held only by modules
+    whose products expand at use (see [Note: expanded where used]), each one's holders (module, attribute);
+    else None."""
     out: dict[str, list[tuple[nn.Module, str]]] = {}
     for fqn, p in params:
         if fqn not in quantized:
             continue
         mods = holders.get(id(p), [])
-        if not mods or not all(_expands_at_use(m, attr) for m, attr in mods):
+        if not mods or not all(_expands_at_use(m, attr, quantized[fqn]) for m, attr in mods):
             return None
         out[fqn] = mods
     return out or None
 
 
-def _expands_at_use(module: nn.Module, attr: str) -> bool:
-    """Whether `module` uses its parameter `attr` only through a product that expands at use."""
+def _expands_at_use(module: nn.Module, attr: str, dtype: torch.dtype) -> bool:
+    """Whether `module` uses its parameter `attr` (computed in `dtype`) only through a product that expands
+    at use."""
     if attr != "weight":
         return False
     kind = type(module)
@@ -304,8 +343,10 @@ def _expands_at_use(module: nn.Module, attr: str) -> bool:
         return True
     if kind is nn.Embedding:
         return module.max_norm is None  # max_norm renormalises the rows it looks up, in the weight itself
-    # transformers' Conv1D (GPT-2 and kin): forward is torch.addmm(bias, x, weight) with weight (in, out)
-    return kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
+    # transformers' Conv1D (GPT-2 and kin): forward is torch.addmm(bias, x, weight) with weight (in, out);
+    # summed in pieces, so in float32 only (see CompressedWeight.as_conv1d)
+    return (kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers.")
+            and dtype is torch.float32)
 
 
 def _unpack4(packed: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tiermem.distributed import Gathering
+from tiermem.quant import expands_at_use_now
 from tiermem.runtime.activations import ActivationStore, _SavedActivation
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.unit import Unit
@@ -116,7 +117,8 @@ class Runtime:
         # with several ranks also the unit computing, gathered whole, and the next one's gather in flight
         gathered = max((3 * u.ranks.world * u.nbytes for u in units if u.ranks.sharded), default=0)
         # compressed units: the two in use expanded into their compute dtype (see [Note: compressed weights])
-        gathered += 2 * max((u.whole.size for u in units if u.quant is not None and u.at_use is None), default=0)
+        # (also those that expand at use: a forward recording gradients, or under autocast, expands them whole)
+        gathered += 2 * max((u.whole.size for u in units if u.quant is not None), default=0)
         swapper.derive_device_cap(largest, window, gathered)
 
     def _next_use(self, part: Partition) -> float:
@@ -493,8 +495,9 @@ class Runtime:
                 tensors = self.swapper.acquire(part, Tier.DEVICE, before_wait=lambda: self._prefetch(window))
                 if unit.ranks.sharded:  # this rank's chunks: gather the unit whole (see [Note: sharding])
                     tensors = self._finish_gather(unit, self._start_gather(unit))
-                elif unit.quant is not None and unit.at_use is None:  # stored compressed: expand it whole
-                    # (see [Note: compressed weights]; or, at use, [Note: expanded where used])
+                elif unit.quant is not None and not (unit.at_use is not None and expands_at_use_now()):
+                    # stored compressed: expand it whole (see [Note: compressed weights]), unless its products
+                    # expand it where they use it ([Note: expanded where used])
                     tensors = self._expand(unit, tensors)
         except BaseException:
             unit.depth -= 1

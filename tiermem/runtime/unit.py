@@ -81,11 +81,11 @@ class Unit:
 
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
         """Point every parameter at its view in the partition (or in the gathered unit). A unit whose weights
-        stay compressed (`at_use`) is bound from its compressed partition's tensors: each such weight's holders
-        get a CompressedWeight in its place, the other parameters their views."""
+        stay compressed (`at_use`) and is bound from its compressed partition's tensors (not expanded whole):
+        each such weight's holders get a CompressedWeight in its place, the other parameters their views."""
         with torch.no_grad():
             for k, (fqn, p) in enumerate(self.params):
-                places = self.at_use.get(fqn) if self.at_use is not None else None
+                places = self.at_use.get(fqn) if self.at_use is not None and f"{fqn}#q" in tensors else None
                 if places is None:
                     p.data = tensors[fqn]
                     continue
@@ -99,11 +99,17 @@ class Unit:
         """Point every parameter at its empty placeholder, dropping the last reference to the views, and give
         a weight left compressed its Parameter back in each of its places."""
         with torch.no_grad():
-            for (fqn, p), ph in zip(self.params, self.placeholders, strict=True):
+            for (_, p), ph in zip(self.params, self.placeholders, strict=True):
                 p.data = ph
-                if self.at_use is not None:
-                    for module, attr in self.at_use.get(fqn, ()):
-                        module._parameters[attr] = p
+        self.restore_places()
+
+    def restore_places(self) -> None:
+        """Give each weight left compressed while bound its Parameter back in every module that holds it (also
+        at exit, for a unit whose forward was cut short by an interrupt and never released)."""
+        if self.at_use is not None:
+            for fqn, p in self.params:
+                for module, attr in self.at_use.get(fqn, ()):
+                    module._parameters[attr] = p
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {len(self.params)} params, {self.nbytes} bytes)"
