@@ -81,7 +81,7 @@ class Unit:
 
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
         """Point every parameter at its view in the partition (or in the gathered unit). A unit whose weights
-        stay compressed (`at_use`) and is bound from its compressed partition's tensors (not expanded whole):
+        stay compressed (`at_use`), bound from its compressed partition's tensors (not expanded whole):
         each such weight's holders get a CompressedWeight in its place, the other parameters their views."""
         with torch.no_grad():
             for k, (fqn, p) in enumerate(self.params):
