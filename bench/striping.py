@@ -101,6 +101,15 @@ def one_round(rnd: int, disk: str, second: str, env: dict[str, str], args: argpa
     return out
 
 
+def _read(path: str) -> str:
+    """The file's text, or '' where it is not there."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 @contextlib.contextmanager
 def read_rate_capped(path: str, rate: int) -> Iterator[str]:
     """This process and its children in a blkio cgroup whose reads from the block device holding `path` are
@@ -110,7 +119,7 @@ def read_rate_capped(path: str, rate: int) -> Iterator[str]:
     v1 = "/sys/fs/cgroup/blkio"
     if os.path.isdir(v1):
         root, limit, line = v1, "blkio.throttle.read_bps_device", f"{device} {rate}"
-    elif "io" in open("/sys/fs/cgroup/cgroup.controllers").read().split():
+    elif "io" in _read("/sys/fs/cgroup/cgroup.controllers").split():
         root, limit, line = "/sys/fs/cgroup", "io.max", f"{device} rbps={rate}"
     else:
         raise SystemExit("--second-read-rate needs a blkio cgroup (v1) or the io controller (v2), as root")

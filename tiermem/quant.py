@@ -236,11 +236,10 @@ class CompressedWeight(torch.Tensor):
             return F.embedding(ids, self.whole())
         flat = ids.reshape(-1)  # index_select: an id out of range raises, as F.embedding's does
         if self.quant.bits == 8:
-            picked = self.packed[: n * width].view(n, width).index_select(0, flat).to(self.dtype_)
-        else:  # two values a byte, the first in the low half (see `quantize_into`)
-            packed = self.packed[: n * width // 2].view(n, width // 2).index_select(0, flat)
-            picked = torch.stack((packed & 0x0F, packed >> 4), dim=-1).to(self.dtype_).sub_(8)
-        picked = picked.view(-1, width // g, g)
+            picked = self.packed[: n * width].view(n, width).index_select(0, flat)
+        else:  # two values a byte
+            picked = _unpack4(self.packed[: n * width // 2].view(n, width // 2).index_select(0, flat).view(-1))
+        picked = picked.to(self.dtype_).view(-1, width // g, g)
         scales = self.group_scales[: n * width // g].view(n, width // g).index_select(0, flat)
         picked.mul_(scales.to(self.dtype_)[..., None])
         return picked.view(*ids.shape, width)
