@@ -921,3 +921,99 @@ def test_update_waits_are_counted_where_the_updates_run(tmp_path) -> None:
         assert tm.stats()["update_wait_seconds"] == 0.0
     with tiered_offload(mlp(), **cfg(tmp_path / "inference")) as tm:
         assert tm.stats()["update_wait_seconds"] == 0.0
+
+
+def _record_state_writes(tm: Any, phase: list[str]) -> list[tuple[str, str]]:
+    """(phase[0] at the time, partition name) of every write of an optimizer-state partition from here on."""
+    sw = tm.swapper
+    states = {st.state.name for st in tm.optimizer.units if st.state is not None}
+    writes: list[tuple[str, str]] = []
+    start_write = sw.cache.start_write
+
+    def recording(part: Any, **kw: Any) -> Any:
+        if part.name in states:
+            writes.append((phase[0], part.name))
+        return start_write(part, **kw)
+
+    sw.cache.start_write = recording
+    return writes
+
+
+def test_an_updated_state_stays_in_host_memory_with_room_and_is_written_in_backward(tmp_path) -> None:
+    """[Note: updated state written in backward]: with room in the host pool, a state that the forward's lazy
+    update changed stays in host memory, dirty. It is written when its unit's backward begins and not read back
+    at the next update; once it has stayed from one update to the next it is not written again. Evicted meanwhile
+    (as when room is needed), it is written then, read back at its update, and written ahead again in the backward
+    after that. Losses with clipping equal plain PyTorch's throughout."""
+    model, ref = mlp(), mlp()
+    data = batches(6)
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), **cfg(tmp_path)) as tm:
+        sw, opt = tm.swapper, tm.optimizer
+        names = [st.state.name for st in opt.units if st.state is not None]
+        first = opt.units[0].state
+        assert len(names) > 1
+        phase = ["-"]
+        writes = _record_state_writes(tm, phase)
+        losses, by_step, reads = [], [], []
+        for k, (x, y) in enumerate(data):
+            opt.zero_grad()
+            if k == 3:
+                phase[0] = "evicted"
+                sw.wait_idle(first)  # a write-back still in flight would leave it where it is
+                sw.evict(first).wait()  # as a fetch that needs the room would: written now, read at its update
+            loads = {st.state.name: st.state.host_loads for st in opt.units if st.state is not None}
+            phase[0] = "forward"
+            loss = loss_fn(model, x, y)
+            reads.append(sorted(st.state.name for st in opt.units
+                                if st.state is not None and st.state.host_loads != loads[st.state.name]))
+            phase[0] = "backward"
+            tm.backward(loss)
+            phase[0] = "-"
+            tm.clip_grad_norm_(0.5)
+            opt.step()
+            losses.append(float(loss.detach()))
+            by_step.append(sorted(writes))
+            writes.clear()
+        assert by_step[0] == []  # nothing updated yet
+        assert by_step[1] == sorted(("backward", n) for n in names)  # kept in the forward, written in backward
+        assert by_step[2] == []  # stayed from one update to the next: not written again
+        assert by_step[3] == [("backward", first.name), ("evicted", first.name)]  # read back, so written ahead
+        assert by_step[4] == by_step[5] == []
+        assert reads[0] == [] and reads[3] == [first.name]  # not the first state read: the first forward's
+        assert all(r == [] for r in reads[1:3] + reads[4:])  # updates keep states; none read back unless evicted
+    assert losses == run_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, clip=0.5,
+                               clip_fn=lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c))
+
+
+def test_an_updated_state_without_room_is_written_in_the_forward(tmp_path) -> None:
+    """[Note: updated state written in backward]: where the host pool has no room to keep an updated state (a
+    budget a few units wide), the forward's update writes it at once and frees the room for the reads after it;
+    losses and weights with clipping stay bit-identical to plain PyTorch's."""
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 500, (2, 12), generator=g) for _ in range(3)]
+    results, phase = [], ["-"]
+    for offloaded in (False, True):
+        model = models.gpt2()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        with (tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"memory.host_budget": "2MiB"}))
+              if offloaded else nullcontext()) as tm:
+            step_opt = tm.optimizer if tm is not None else opt
+            writes = _record_state_writes(tm, phase) if tm is not None else []
+            for ids in data:
+                step_opt.zero_grad()
+                phase[0] = "forward"
+                loss = model(ids, labels=ids).loss
+                phase[0] = "backward"
+                loss.backward()
+                phase[0] = "-"
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # tiermem's own inside the context
+                step_opt.step()
+                losses.append(float(loss.detach()))
+            if tm is not None:
+                assert any(p == "forward" for p, _ in writes), writes
+        results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert results[0][0] == results[1][0]
+    for name, value in results[0][1].items():
+        assert torch.equal(results[1][1][name], value), name

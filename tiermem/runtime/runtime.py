@@ -322,6 +322,8 @@ class Runtime:
         if i not in self._bwd_held:
             self._bwd_held.add(i)
             self.enter(i)
+            if self.optimizer is not None:  # its last update's state, kept in the forward, goes to disk now
+                self.optimizer.write_back_state(i)  # ([Note: updated state written in backward])
 
     def _make_grad_arriving(self, i: int) -> Any:
         def arriving(grad: torch.Tensor) -> None:

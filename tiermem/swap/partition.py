@@ -52,6 +52,7 @@ class Partition:
         self.waiters: list[IOFuture] = []  # futures completing when the host bytes are in
         self.resident = False  # kept in host memory between uses: evicted only when nothing else can be
         self.discarded = False  # contents dropped (TensorSwapper.discard): the next fetch gives zeros, no read
+        self.host_loads = 0  # host buffers attached so far: unchanged while one copy stays in host memory
         # the views made last per tier, and the storage they view: the same buffer gives the same views (a
         # training step asks for every partition's views several times; making them costs more than the update
         # of a small unit). Dropping a tier's memory drops its views, so no view keeps freed memory alive.
@@ -100,6 +101,7 @@ class Partition:
         ledger.add("host", self.size, f"partition {self.name!r}")
         self.host = buf
         self.host_state = state
+        self.host_loads += 1
 
     def read_done(self) -> None:
         """READING -> READY: the read from NVMe has landed in the host buffer."""

@@ -203,6 +203,13 @@ class TensorSwapper:
                 return self.cache.start_write(part, free_after=False)
             return part.pending or done_future()
 
+    def room_to_spare(self, part: Partition) -> bool:
+        """Whether `part`'s host copy can stay for now: no read-ahead is waiting for room, and its arena has a
+        free piece as large again."""
+        with self._lock:
+            held = part.host
+            return held is not None and not self._parked and self.pool.largest_free(held.arena) >= part.size
+
     def keep_resident(self, part: Partition, keep: bool = True) -> None:
         """Keep `part` in host memory between uses (evicted only when nothing else can be), or stop."""
         with self._lock:
