@@ -203,12 +203,15 @@ class TensorSwapper:
                 return self.cache.start_write(part, free_after=False)
             return part.pending or done_future()
 
-    def room_to_spare(self, part: Partition) -> bool:
-        """Whether `part`'s host copy can stay for now: no read-ahead is waiting for room, and its arena has a
-        free piece as large again."""
+    def room_to_spare(self, part: Partition, times: int = 1) -> bool:
+        """Whether `part`'s host copy can stay for now: no read-ahead is waiting for room, and its arena has
+        `times` as many bytes free, one piece of them at least as large as `part`."""
         with self._lock:
-            held = part.host
-            return held is not None and not self._parked and self.pool.largest_free(held.arena) >= part.size
+            if part.host is None or self._parked:
+                return False
+            arena = part.host.arena
+            free = sum(n for _, n in self.pool.holes(arena))
+            return free >= times * part.size and self.pool.largest_free(arena) >= part.size
 
     def keep_resident(self, part: Partition, keep: bool = True) -> None:
         """Keep `part` in host memory between uses (evicted only when nothing else can be), or stop."""
