@@ -44,20 +44,19 @@ the reads the forward waits for, while the backward's disk is mostly idle. And a
 be read again next step even where the host pool had room to keep it: with a budget of 1.25 GiB against 1.46
 GB of training state, every byte of the 0.7 GB of Adam state went out and back each step, where the plan
 counted 0.19 GB. So after an update applied in the forward, the state stays in host memory, dirty, when no
-read-ahead is waiting for room and its arena has free, besides, as many bytes again for each unit of the
-prefetch window (`TensorSwapper.room_to_spare`): the window's updates need about as much for their own states.
-Otherwise it is written and freed at once, as before. Asking only for a free piece of one state's size, the
-training bench at its 544 MiB budget kept 3-4 of its 13 units' states a step, which the next units' reads then
-had to write back first, and its steps took 5% longer than before in 4 alternating pairs (the same bytes
-moved; within this machine's spread). With the window counted it keeps none there, as before, and at 1.25 GiB
-it keeps 10-11 of 13. A state kept so is written when its unit's backward begins (`write_back_state`), one
-unit at a time while backward computes, and stays cached, clean, for the next step's update if nothing needs
-the room first. Unless it stayed in host memory from the update before to this one: then the room held, it is
-likely to hold again, and writing it would only cost the bandwidth, so it stays dirty. When something needs
-the room before its next update, evicting it writes it then (a read-ahead parks until the write frees the
-room), and at its next update it counts as not having stayed, so in the backward after that it is written
-ahead again. Every dirty state is written by `flush`, checkpoints and exit as before, so nothing depends on
-when.
+read-ahead is waiting for room and its arena has (prefetch.depth + 1) times its size free besides
+(`TensorSwapper.room_to_spare`): each update of the window needs about as much for its own state. Otherwise it
+is written and freed at once, as before. Asking only for a free piece of one state's size, the training bench
+at its 544 MiB budget kept 3-4 of its 13 units' states a step, which the next units' reads then had to write
+back first, and its steps took 5% longer than before in 4 alternating pairs (the same bytes moved; within this
+machine's spread). With the window counted it keeps none there, as before, and at 1.25 GiB it keeps 10-11 of
+13. A state kept so is written when its unit's backward begins (`write_back_state`), one unit at a time while
+backward computes, and stays cached, clean, for the next step's update if nothing needs the room first. Unless
+it stayed in host memory from the update before to this one: then the room held, it is likely to hold again,
+and writing it would only cost the bandwidth, so it stays dirty. When something needs the room before its next
+update, evicting it writes it then (a read-ahead parks until the write frees the room), and at its next update
+it counts as not having stayed, so in the backward after that it is written ahead again. Every dirty state is
+written by `flush`, checkpoints and exit as before, so nothing depends on when.
 """
 
 from __future__ import annotations
