@@ -688,7 +688,7 @@ def budget_floor(e: dict[str, Any], a: dict[str, Any], runs: list[dict[str, Any]
     disk_s = reads / (bw["read_gbps"] * GB) + writes / (bw["write_gbps"] * GB)
     fwd = [x["forward_seconds"] for r in runs if r["variant"] == "plain" and "error" not in r
            for x in r["samples"] if not x["warmup"] and x.get("forward_seconds") is not None]
-    a_fwd = sum(fwd) / len(fwd)
+    a_fwd = sum(fwd) / len(fwd) if fwd else 0.0  # (a)'s forwards untimed (an older JSON): the disk time alone
     floor = a["seconds_mean"] - a_fwd + max(a_fwd, disk_s)
     r = e["seconds_mean"] / floor
     return {"held": r <= DEFAULT_PLAIN_GOAL, "ratio": r, "goal": DEFAULT_PLAIN_GOAL, "floor_s": floor,

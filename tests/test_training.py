@@ -1001,10 +1001,13 @@ def test_an_updated_state_without_room_is_written_in_the_forward(tmp_path) -> No
               if offloaded else nullcontext()) as tm:
             step_opt = tm.optimizer if tm is not None else opt
             writes = _record_state_writes(tm, phase) if tm is not None else []
+            kept: list[list[str]] = []  # per step: the units whose updated state the forward kept in host memory
             for ids in data:
                 step_opt.zero_grad()
                 phase[0] = "forward"
                 loss = model(ids, labels=ids).loss
+                if tm is not None:
+                    kept.append([st.unit.name for st in tm.optimizer.units if st.kept_in is not None])
                 phase[0] = "backward"
                 loss.backward()
                 phase[0] = "-"
@@ -1013,6 +1016,9 @@ def test_an_updated_state_without_room_is_written_in_the_forward(tmp_path) -> No
                 losses.append(float(loss.detach()))
             if tm is not None:
                 assert any(p == "forward" for p, _ in writes), writes
+                # no room for a block's state (small ones, the position embedding's, ln_f's, may stay): each
+                # block's update wrote its state at once
+                assert kept[1:] and all(not any(".h." in name for name in k) for k in kept), kept
         results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
     assert results[0][0] == results[1][0]
     for name, value in results[0][1].items():

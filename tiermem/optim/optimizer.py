@@ -47,15 +47,15 @@ counted 0.19 GB. So after an update applied in the forward, the state stays in h
 read-ahead is waiting for room and its arena has (prefetch.depth + 1) times its size free besides
 (`TensorSwapper.room_to_spare`): each update of the window needs about as much for its own state. Otherwise it
 is written and freed at once, as before. Asking only for a free piece of one state's size, the training bench
-at its 544 MiB budget kept 3-4 of its 13 units' states a step, which the next units' reads then had to write
-back first, and its steps took 5% longer than before in 4 alternating pairs (the same bytes moved; within this
-machine's spread). With the window counted it keeps none there, as before, and at 1.25 GiB it keeps 10-11 of
-13. A state kept so is written when its unit's backward begins (`write_back_state`), one unit at a time while
-backward computes, and stays cached, clean, for the next step's update if nothing needs the room first. Unless
-it stayed in host memory from the update before to this one: then the room held, it is likely to hold again,
-and writing it would only cost the bandwidth, so it stays dirty. When something needs the room before its next
-update, evicting it writes it then (a read-ahead parks until the write frees the room), and at its next update
-it counts as not having stayed, so in the backward after that it is written ahead again. Every dirty state is
+at its 544 MiB budget kept 3-4 of its 13 units' states a step, in room the next units' reads needed, and its
+steps took 5% longer than before in 4 alternating pairs (the same bytes moved; within this machine's spread).
+With the window counted it keeps none there, as before, and at 1.25 GiB it keeps 10-11 of 13. A state kept so
+is written when its unit's backward begins (`write_back_state`), one unit at a time while backward computes,
+and stays cached, clean, for the next step's update if nothing needs the room first. Unless it stayed in host
+memory from the update before to this one: then the room held, it is likely to hold again, and writing it
+would only cost the bandwidth, so it stays dirty. When something needs the room before its next update,
+evicting it writes it then (a read-ahead parks until the write frees the room), and at its next update it
+counts as not having stayed, so in the backward after that it is written ahead again. Every dirty state is
 written by `flush`, checkpoints and exit as before, so nothing depends on when.
 """
 
