@@ -13,6 +13,7 @@ from torch import nn
 
 from tests import models
 from tiermem import tiered_offload
+from tiermem.device import copying_device_state
 from tiermem.sizes import format_size
 from tiermem.swap import Tier
 
@@ -673,19 +674,22 @@ def test_grads_auto_spills_to_nvme_only_when_they_do_not_fit(tmp_path, caplog, b
     (1 << 40, "12MiB", None, "memory", 0),  # plenty beside the budget, and the parameters fit a quarter of it
     (12 << 20, "12MiB", None, "nvme", 0),  # the host is short beside the budget: nothing stays in memory
     (1 << 40, "2MiB", None, "nvme", 512 << 10),  # the parameters are over a quarter of the budget: that stays
-    (1 << 40, "12MiB", 384 << 10, "nvme", 384 << 10),  # a quarter is more than the cap: the cap stays
+    (1 << 40, "12MiB", 384 << 10, "nvme", 384 << 10),  # a quarter is more than the cap: the cap stays (CPU)
 ])
 def test_activations_auto_goes_to_nvme_when_a_step_would_hold_too_much_beside_the_budget(
         tmp_path, monkeypatch, available: int, budget: str, cap: int | None, tier: str, keep: int) -> None:
     """activations.tier auto (the default) keeps saved activations in memory when the parameters' size fits both
-    what a step may hold beside memory.host_budget (a quarter of it, at most ACTIVATIONS_BESIDE_BUDGET_MAX) and
-    the host memory left beside it, else sends them to NVMe, keeping that share in memory where the host has
-    room; they really go, the plan says which and why, and training is exact either way."""
+    what a step may hold beside memory.host_budget (a quarter of it, with the CPU computing at most
+    ACTIVATIONS_BESIDE_BUDGET_MAX) and the host memory left beside it, else sends them to NVMe, keeping that
+    share in memory where the host has room; they really go, the plan says which and why, and training is
+    exact either way."""
     import tiermem.offload
 
     monkeypatch.setattr(tiermem.offload, "_host_memory_available", lambda: available)
     if cap is not None:  # the model's scale: its parameters (0.52 MiB) are over this, under a quarter of 12 MiB
         monkeypatch.setattr(tiermem.offload, "ACTIVATIONS_BESIDE_BUDGET_MAX", cap)
+        if copying_device_state().enabled:  # activations kept on a device of its own: the cap is for host memory
+            tier, keep = "memory", 0
     settings = {**cfg(tmp_path), "memory.host_budget": budget, "activations.buffer": "256KiB",
                 "activations.min_bytes": 1}
     assert "activations.tier" not in settings and "activations.keep" not in settings  # the defaults

@@ -343,14 +343,15 @@ class ActivationsConfig:
     """Where saved activations wait for backward: ``memory`` (where autograd keeps them), ``nvme`` (written
     to swap as forward makes them, read back ahead of backward's use, newest first), or ``auto``: entry
     picks ``nvme`` when training with another tier on NVMe and a step's activations, taken as the
-    parameters' size, would be more than a quarter of memory.host_budget (at most 128 MiB) or than the
-    host memory left beside it; else ``memory`` (see docs/config.md)."""
+    parameters' size, would be more than a quarter of memory.host_budget (at most 128 MiB with the CPU
+    computing) or than the host memory left beside it; else ``memory`` (see docs/config.md)."""
 
     keep: int | None = field(default=None, metadata=_BYTES)
     """With ``tier: nvme``: bytes of each forward's saved activations that stay in memory, outside the host
     budget: the newest ones (backward needs them first), sized from the forward before; the rest go to
     NVMe. Null (the default): none when ``tier`` is ``nvme`` as set, a quarter of memory.host_budget (at
-    most 128 MiB) when ``auto`` picked ``nvme``, so a step holds at most that much beside the budget."""
+    most 128 MiB with the CPU computing) when ``auto`` picked ``nvme``, so a step holds at most that much
+    beside the budget."""
 
     min_bytes: int = field(default=256 * 1024, metadata=_BYTES)
     """Saved tensors whose storage is smaller than this stay in memory (with ``tier: nvme``), as do views of

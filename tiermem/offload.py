@@ -29,6 +29,7 @@ from tiermem import rescue
 from tiermem.checkpointing import CheckpointContents, load_checkpoint, save_checkpoint
 from tiermem.config import Config, load_config
 from tiermem.cpu_allocator import cpu_allocator, trim
+from tiermem.device import copying_device_state
 from tiermem.distributed import Ranks, chunk_specs
 from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadError, RestoreError, StoreError
 from tiermem.interrupts import deferred_interrupts
@@ -579,21 +580,23 @@ def _apply_recorded_updates(handle: OffloadHandle) -> Exception | None:
 # - another tier is already on NVMe (a config that uses none gets no swap files for activations);
 # - activations.buffer is at most a quarter of memory.host_budget (the rest stays for the partitions);
 # - the estimate is more than the share a step may hold beside the budget, a quarter of memory.host_budget
-#   and at most ACTIVATIONS_BESIDE_BUDGET_MAX, or than the host memory left beside the budget
+#   (at most ACTIVATIONS_BESIDE_BUDGET_MAX on the CPU), or than the host memory left beside the budget
 #   (`_host_memory_available` less memory.host_budget): kept in memory, they would take the process well
 #   past the budget the user set, or past what the machine or its cgroup gives it.
 # Picking nvme, auto also sets activations.keep (unless set) to that share, where the machine has twice
 # it beside the budget, else 0: the newest activations, which backward needs first, stay in memory up to
-# that, and only the rest is read and written. The cap keeps the share a fixed slack above large budgets:
-# a quarter of 1.25 GiB kept beside it took the training bench's steps to 1.71 GB above its imports, past
-# the budget + 300 MB of issue 14 (docs/benchmarks.md).
+# that, and only the rest is read and written. The cap keeps the share a fixed slack above large budgets
+# where the activations would be in host memory (the CPU computing): a quarter of 1.25 GiB kept beside it
+# took the training bench's steps to 1.71 GB above its imports, past the budget + 300 MB of issue 14
+# (docs/benchmarks.md). On a device with memory of its own (CUDA, or the copying test device standing for
+# one) autograd keeps them there, outside host memory, and the share is a quarter of the budget.
 # With several ranks the choice is one for all (their configs must be the same): nvme if any rank's
 # memory calls for it, keeping the least any rank keeps. An explicit `memory` or `nvme` is kept as set.
 
 
 ACTIVATIONS_BESIDE_BUDGET_MAX = 128 * 1024**2
-"""The most saved activations `activations.tier: auto` lets a step hold in memory beside memory.host_budget: a
-quarter of the budget, at most this ([Note: activations auto])."""
+"""The most saved activations `activations.tier: auto` lets a step hold in host memory beside
+memory.host_budget, with the CPU computing: a quarter of the budget, at most this ([Note: activations auto])."""
 
 
 def choose_path_weights(cfg: Config) -> tuple[Config, str]:
@@ -662,7 +665,9 @@ def _activations_auto(cfg: Config, model: nn.Module,
     need = sum(p.numel() * (override or p.dtype).itemsize for p in model.parameters())
     available = _host_memory_available()
     left = available - budget if available is not None else None
-    share = min(budget // 4, ACTIVATIONS_BESIDE_BUDGET_MAX)  # what a step may hold beside the budget
+    share = budget // 4  # what a step may hold beside the budget
+    if _saved_activations_in_host_memory(cfg):
+        share = min(share, ACTIVATIONS_BESIDE_BUDGET_MAX)
     taken = f"a step's activations, taken as the parameters' {format_size(need)}"
     keep = share if left is None or left >= 2 * share else 0  # what stays in memory if they go to nvme
     if left is not None and left < need:
@@ -670,11 +675,16 @@ def _activations_auto(cfg: Config, model: nn.Module,
                             f"{taken}")
     if need > share:
         return True, keep, (f"auto: {taken}, are more than the {format_size(share)} a step may hold beside "
-                            f"memory.host_budget (a quarter of it, at most "
-                            f"{format_size(ACTIVATIONS_BESIDE_BUDGET_MAX)}); activations.tier: memory keeps "
-                            f"them all in memory")
+                            f"memory.host_budget; activations.tier: memory keeps them all in memory")
     return False, 0, (f"auto: {taken}, fit in the {format_size(share)} a step may hold beside "
                       f"memory.host_budget")
+
+
+def _saved_activations_in_host_memory(cfg: Config) -> bool:
+    """Whether saved activations kept in memory are in host memory: the compute device is the CPU itself (not
+    CUDA, nor the copying test device, which stands for one with memory of its own)."""
+    cuda = cfg.device.startswith("cuda") or cfg.device == "auto" and torch.cuda.is_available()
+    return not cuda and not copying_device_state().enabled
 
 
 def _rank_paths(cfg: Config, ranks: Ranks) -> Config:
