@@ -29,7 +29,7 @@ from tiermem import rescue
 from tiermem.checkpointing import CheckpointContents, load_checkpoint, save_checkpoint
 from tiermem.config import Config, load_config
 from tiermem.cpu_allocator import cpu_allocator, trim
-from tiermem.device import copying_device_state
+from tiermem.device import resolve_device
 from tiermem.distributed import Ranks, chunk_specs
 from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadError, RestoreError, StoreError
 from tiermem.interrupts import deferred_interrupts
@@ -44,6 +44,7 @@ from tiermem.runtime.unit import Unit
 from tiermem.runtime.wrap import UnitPlan, WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size
 from tiermem.swap import Layout, TensorSwapper, Tier
+from tiermem.swap.transfers import mover_class
 from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -666,7 +667,7 @@ def _activations_auto(cfg: Config, model: nn.Module,
     available = _host_memory_available()
     left = available - budget if available is not None else None
     share = budget // 4  # what a step may hold beside the budget
-    if _saved_activations_in_host_memory(cfg):
+    if not mover_class(resolve_device(cfg.device)).has_own_memory:  # kept activations are in host memory
         share = min(share, ACTIVATIONS_BESIDE_BUDGET_MAX)
     taken = f"a step's activations, taken as the parameters' {format_size(need)}"
     keep = share if left is None or left >= 2 * share else 0  # what stays in memory if they go to nvme
@@ -678,13 +679,6 @@ def _activations_auto(cfg: Config, model: nn.Module,
                             f"memory.host_budget; activations.tier: memory keeps them all in memory")
     return False, 0, (f"auto: {taken}, fit in the {format_size(share)} a step may hold beside "
                       f"memory.host_budget")
-
-
-def _saved_activations_in_host_memory(cfg: Config) -> bool:
-    """Whether saved activations kept in memory are in host memory: the compute device is the CPU itself (not
-    CUDA, nor the copying test device, which stands for one with memory of its own)."""
-    cuda = cfg.device.startswith("cuda") or cfg.device == "auto" and torch.cuda.is_available()
-    return not cuda and not copying_device_state().enabled
 
 
 def _rank_paths(cfg: Config, ranks: Ranks) -> Config:

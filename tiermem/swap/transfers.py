@@ -152,10 +152,16 @@ class CopyingMover(DeviceMover):
         return _CopyDone()
 
 
-def make_mover(device: torch.device) -> DeviceMover:
-    """The mover for a compute device (the copying one for the CPU while `copying_device()` is open)."""
+def mover_class(device: torch.device) -> type[DeviceMover]:
+    """The kind of mover a compute device gets (the copying one for the CPU while `copying_device()` is open);
+    its `has_own_memory` says whether the device's memory is separate from the host's."""
     if device.type == "cuda":
-        return CudaMover(device)
+        return CudaMover
     if copying_device_state().enabled:
-        return CopyingMover(device)
-    return DeviceMover(device)
+        return CopyingMover
+    return DeviceMover
+
+
+def make_mover(device: torch.device) -> DeviceMover:
+    """The mover for a compute device (see `mover_class`)."""
+    return mover_class(device)(device)
