@@ -155,7 +155,8 @@ class OffloadHandle:
         that is null; None on a device whose memory is the host's). With ``activations.tier: nvme`` also
         ``activations_saved_bytes``, ``activations_kept_bytes``, ``activations_in_memory_bytes`` (kept there by
         activations.keep), ``activations_stall_seconds``, ``activations_peak_host_bytes``,
-        ``activations_bytes_written`` and ``activations_bytes_read``. ``checkpoint_bytes_read``: what entry read
+        ``activations_bytes_written``, ``activations_bytes_read`` and ``activations_unwritten_bytes`` (sent, but
+        found in memory by backward and never written). ``checkpoint_bytes_read``: what entry read
         from ``checkpoint=`` and ``load_checkpoint`` read, checking included (with several ranks each rank
         reads about 1/N; not reset); ``checkpoint_bytes_written``: the tensors' bytes ``save_checkpoint`` wrote
         (with several ranks sharing a filesystem each rank writes its chunks, about 1/N; not reset). The

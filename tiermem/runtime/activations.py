@@ -17,6 +17,18 @@ writes when those are still in flight. So when forward ends the newest activatio
 and they are the ones backward wants first. The rest of the cache evicts activations before parameters
 (the schedule knows no next use for them).
 
+# [Note: activation writes deferred]
+The activations still in the buffer when forward ends are read by backward from memory; a write of them
+would never be read. So once a forward's total is known (from the one before, as for ``activations.keep``),
+the records that will be the newest sent, the last ``activations.buffer`` of them, are not written when
+packed: their partitions stay dirty in the buffer, and backward uses and removes them without a write. If
+this forward saves more than the last one did, the buffer fills before it ends, and dropping the oldest of
+those records writes it first (a dirty partition's eviction is its write-back), with the forward waiting
+for that write: nothing is lost, the estimate only costs time. The same holds when the rest of the cache
+evicts one of them. `activations_unwritten_bytes` counts the records backward found in memory unwritten (at
+their first unpack), and those that went unused and unwritten (a graph dropped); a late write by the cache's
+eviction is counted in `activations_bytes_written` when the record goes (`_removed`).
+
 Views of one storage saved together (GPT-2's query, key and value are views of one projection output)
 share one record: a pack whose storage address matches a record whose source is still alive, at the same
 version, is the same storage with the same bytes.
@@ -86,7 +98,8 @@ class _OwnedArray(np.ndarray):
 class _Record:
     """One saved storage, kept in a partition of the swapper."""
 
-    __slots__ = ("seq", "nbytes", "part", "handles", "holds", "unpacked", "source", "version", "copying")
+    __slots__ = ("seq", "nbytes", "part", "handles", "holds", "unpacked", "source", "version", "copying",
+                 "deferred", "spared")
 
     def __init__(self, seq: int, nbytes: int) -> None:
         self.seq = seq
@@ -98,6 +111,8 @@ class _Record:
         self.source: weakref.ref[torch.Tensor] | None = None  # a tensor on the original storage, while alive
         self.version = -1
         self.copying: object | None = None  # the event of its device-to-host copy, until its write starts
+        self.deferred = False  # not written when packed: see [Note: activation writes deferred]
+        self.spared = False  # deferred, and counted in unwritten_bytes: backward found it in memory unwritten
 
 
 class _SavedActivation:
@@ -142,6 +157,7 @@ class ActivationStore:
         self._copying: list[_Record] = []  # device-to-host copies whose write has not started
         self.bytes_written = 0
         self.bytes_read = 0
+        self.unwritten_bytes = 0  # deferred records found unwritten by backward, or gone unused and unwritten
         self.stall_seconds = 0.0  # backward waiting for an activation's bytes
         self.kept_bytes = 0  # saved tensors kept in memory for want of room
         self.saved_bytes = 0  # saved tensors sent to NVMe
@@ -194,6 +210,9 @@ class ActivationStore:
             return t
         rec = _Record(self._seq, nbytes)
         self._seq += 1
+        # among the newest sent, that the buffer will still hold when backward starts: not written
+        rec.deferred = (last is not None and self._pass_sent + nbytes > last - self.keep_bytes - self.quota
+                        and self._deferred_bytes() + align_up(nbytes) <= self.quota)
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (nbytes,), (1,))
         mover = self.swapper.mover
 
@@ -212,7 +231,7 @@ class ActivationStore:
         if rec.copying is not None:
             self.swapper.acquire(rec.part, Tier.HOST)  # nothing evicts it before the copy is done
             self._copying.append(rec)
-        else:
+        elif not rec.deferred:
             self._write(rec)
         rec.source = weakref.ref(t._base if t._base is not None else t)
         rec.version = t._version
@@ -226,8 +245,22 @@ class ActivationStore:
 
     def _write(self, rec: _Record) -> None:
         assert rec.part is not None
+        rec.deferred = False
         self.swapper.write_back(rec.part)
         self.bytes_written += rec.part.size
+
+    def _deferred_bytes(self) -> int:
+        """Host bytes of deferred records not yet written (see [Note: activation writes deferred])."""
+        return sum(r.part.size for r in self._records if r.deferred and r.part is not None and r.part.dirty)
+
+    def _removed(self, rec: _Record, part: Partition) -> None:
+        """Count a deferred record's write, if an eviction of the cache's wrote it, or its bytes never written."""
+        if not rec.deferred:
+            return
+        if not part.dirty:  # written after all (if after backward found it unwritten, that stays counted too)
+            self.bytes_written += part.size
+        elif not rec.spared:
+            self.unwritten_bytes += part.size
 
     def _keep(self, nbytes: int, why: str) -> None:
         self.kept_bytes += nbytes
@@ -249,6 +282,8 @@ class ActivationStore:
             part = rec.part
             if part is None or rec.holds or rec.copying is not None or not self.swapper.holds_host(part):
                 continue
+            if rec.deferred:  # this forward is longer than the last: the write it was spared is due now
+                self._write(rec)
             try:
                 self.swapper.evict(part).wait()  # a write in flight: wait for it (the bytes must be on disk)
             except OSError as exc:
@@ -271,6 +306,9 @@ class ActivationStore:
         t0 = time.perf_counter()
         if not self.swapper.holds_host(part):
             self.bytes_read += part.size
+        elif rec.deferred and not rec.spared and part.dirty:
+            rec.spared = True
+            self.unwritten_bytes += part.size
         if self.swapper.mover.has_own_memory:  # a device copy that autograd owns from here on, as without offload
             data = self.swapper.mover.tensor_to_device(self.swapper.acquire(part, Tier.HOST)["data"])
             self.swapper.release(part, tier=Tier.HOST)
@@ -327,7 +365,8 @@ class ActivationStore:
                 rec.copying = None
                 assert rec.part is not None
                 self.swapper.release(rec.part, tier=Tier.HOST)
-                self._write(rec)
+                if not rec.deferred:
+                    self._write(rec)
             else:
                 still.append(rec)
         self._copying = still
@@ -354,6 +393,7 @@ class ActivationStore:
         part, rec.part = rec.part, None
         if part is not None and not self.closed:
             self.swapper.remove(part)  # waits for its write in flight, then gives back memory and extent
+            self._removed(rec, part)
         try:
             self._records.remove(rec)
         except ValueError:
@@ -376,6 +416,7 @@ class ActivationStore:
             part, rec.part = rec.part, None
             if part is not None and not part.users:
                 self.swapper.remove(part)
+                self._removed(rec, part)
         self._records.clear()
         self._pending = []
         self._by_ptr.clear()
@@ -384,10 +425,12 @@ class ActivationStore:
         return {"activations_saved_bytes": self.saved_bytes, "activations_kept_bytes": self.kept_bytes,
                 "activations_in_memory_bytes": self.memory_bytes,
                 "activations_stall_seconds": self.stall_seconds, "activations_peak_host_bytes": self.peak_host,
-                "activations_bytes_written": self.bytes_written, "activations_bytes_read": self.bytes_read}
+                "activations_bytes_written": self.bytes_written, "activations_bytes_read": self.bytes_read,
+                "activations_unwritten_bytes": self.unwritten_bytes}
 
     def reset_stats(self) -> None:
         self.saved_bytes = self.kept_bytes = self.memory_bytes = self.bytes_written = self.bytes_read = 0
+        self.unwritten_bytes = 0
         self.stall_seconds = 0.0
         self.peak_host = self.host_bytes()
 
