@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import pathlib
 import threading
@@ -179,6 +180,43 @@ def test_what_backward_finds_in_memory_is_never_written(tmp_path, monkeypatch, r
     assert st["activations_unwritten_bytes"] >= 3 * 64 * 512 * 4
     assert st["activations_bytes_written"] >= 4 * 64 * 512 * 4 + 64 * 64 * 4
     assert st["activations_bytes_read"] > 0
+
+
+def test_a_deferred_activation_whose_write_fails_stays_in_memory(tmp_path, monkeypatch, caplog) -> None:
+    """A forward twice as large as the one before must write the records it deferred to make room; when the
+    drive fails every activation write of that step, they stay in memory (so may later ones, as autograd would
+    keep them), nothing is lost, and training goes on exactly once the drive is back."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 64, generator=g), torch.randn(n, 8, generator=g)) for n in (64, 64, 128, 64)]
+    ref = wide()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), batches)
+    model = wide()
+    failing = False
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), **cfg(tmp_path)) as tm:
+        writes = count_activation_writes(monkeypatch, tm)  # counts the writes that reach the drive
+        counted = SwapStore.write
+
+        def failing_write(self: SwapStore, extent: Any, buf: Any, *args: Any, **kwargs: Any) -> IOFuture:
+            if failing and any(p.extent is extent and p.name.startswith("activation#")
+                               for p in list(tm.swapper.partitions.values())):
+                fut = IOFuture(0, 1)
+                fut._chunk_done(OSError(errno.EIO, "injected write error"))
+                return fut
+            return counted(self, extent, buf, *args, **kwargs)
+
+        monkeypatch.setattr(SwapStore, "write", failing_write)
+        losses = train(model, tm.optimizer, batches[:2])
+        before = sum(writes.values())
+        failing = True
+        losses += train(model, tm.optimizer, batches[2:3])
+        failing = False
+        assert sum(writes.values()) == before  # no activation reached the drive in the failing step
+        losses += train(model, tm.optimizer, batches[3:])
+        st = tm.stats()
+    assert losses == ref_losses
+    assert_same(ref, model)
+    assert "writing a saved activation to swap failed" in caplog.text
+    assert st["activations_unwritten_bytes"] > 0
 
 
 def test_gpt2_with_activations_on_nvme_equals_pytorch(tmp_path) -> None:
