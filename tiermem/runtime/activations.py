@@ -251,13 +251,14 @@ class ActivationStore:
 
     def _deferred_bytes(self) -> int:
         """Host bytes of deferred records not yet written (see [Note: activation writes deferred])."""
-        return sum(r.part.size for r in self._records if r.deferred and r.part is not None and r.part.dirty)
+        return sum(r.part.size for r in self._records if r.deferred and r.part is not None
+                   and self.swapper.owes_write(r.part))
 
     def _removed(self, rec: _Record, part: Partition) -> None:
         """Count a deferred record's write, if an eviction of the cache's wrote it, or its bytes never written."""
         if not rec.deferred:
             return
-        if not part.dirty:  # written after all (if after backward found it unwritten, that stays counted too)
+        if not self.swapper.owes_write(part):  # written after all (if backward found it unwritten first, both count)
             self.bytes_written += part.size
         elif not rec.spared:
             self.unwritten_bytes += part.size
@@ -306,7 +307,7 @@ class ActivationStore:
         t0 = time.perf_counter()
         if not self.swapper.holds_host(part):
             self.bytes_read += part.size
-        elif rec.deferred and not rec.spared and part.dirty:
+        elif rec.deferred and not rec.spared and self.swapper.owes_write(part):
             rec.spared = True
             self.unwritten_bytes += part.size
         if self.swapper.mover.has_own_memory:  # a device copy that autograd owns from here on, as without offload

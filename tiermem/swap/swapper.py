@@ -190,6 +190,11 @@ class TensorSwapper:
         with self._lock:
             return part.host_state is not HostState.NONE
 
+    def owes_write(self, part: Partition) -> bool:
+        """Whether `part`'s host copy is newer than its NVMe copy (or it has none yet): a write-back is owed."""
+        with self._lock:
+            return part.dirty
+
     @property
     def clock(self) -> int:
         """The LRU clock: a partition fetched or released after a reading of it has a larger `last_used`."""
