@@ -26,8 +26,9 @@ this forward saves more than the last one did, the buffer fills before it ends, 
 those records writes it first (a dirty partition's eviction is its write-back), with the forward waiting
 for that write: nothing is lost, the estimate only costs time. The same holds when the rest of the cache
 evicts one of them. `activations_unwritten_bytes` counts the records backward found in memory unwritten (at
-their first unpack), and those that went unused and unwritten (a graph dropped); a late write by the cache's
-eviction is counted in `activations_bytes_written` when the record goes (`_removed`).
+their first unpack), and those that went unused and unwritten (a graph dropped); the write of one that
+was evicted after all (from the buffer, or by the rest of the cache) is counted in `activations_bytes_written`
+when the record goes (`_removed`).
 
 Views of one storage saved together (GPT-2's query, key and value are views of one projection output)
 share one record: a pack whose storage address matches a record whose source is still alive, at the same
@@ -245,7 +246,6 @@ class ActivationStore:
 
     def _write(self, rec: _Record) -> None:
         assert rec.part is not None
-        rec.deferred = False
         self.swapper.write_back(rec.part)
         self.bytes_written += rec.part.size
 
@@ -255,7 +255,7 @@ class ActivationStore:
                    and self.swapper.owes_write(r.part))
 
     def _removed(self, rec: _Record, part: Partition) -> None:
-        """Count a deferred record's write, if an eviction of the cache's wrote it, or its bytes never written."""
+        """Count a deferred record's write, if an eviction wrote it after all, or its bytes never written."""
         if not rec.deferred:
             return
         if not self.swapper.owes_write(part):  # written after all (if backward found it unwritten first, both count)
@@ -283,10 +283,10 @@ class ActivationStore:
             part = rec.part
             if part is None or rec.holds or rec.copying is not None or not self.swapper.holds_host(part):
                 continue
-            if rec.deferred:  # this forward is longer than the last: the write it was spared is due now
-                self._write(rec)
             try:
-                self.swapper.evict(part).wait()  # a write in flight: wait for it (the bytes must be on disk)
+                # a write in flight, or a deferred record's write-back that its eviction starts: the bytes
+                # must be on disk before the memory goes
+                self.swapper.evict(part).wait()
             except OSError as exc:
                 log.warning("writing a saved activation to swap failed (%s); keeping it in memory", str(exc))
                 continue
