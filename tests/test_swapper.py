@@ -384,6 +384,23 @@ def test_discard_frees_memory_and_refills_with_zeros_without_io(tmp_path, home: 
             sw.release(part)
 
 
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_discard_without_zeros_hands_the_buffer_out_as_it_is(tmp_path, home: str) -> None:
+    """discard(zeros=False): the next acquire reads nothing and does not zero the buffer (the pool hands the
+    same place back here, so it still holds the old bytes); a plain discard after it zeroes again."""
+    with _swapper(tmp_path) as sw:
+        part = sw.add("g", {"x": torch.ones(MiB // 4), "y": torch.full((3, 5), 7.0)}, home=home)
+        read, written = sw.stats().bytes_read, sw.stats().bytes_written
+        sw.discard(part, zeros=False)
+        views = sw.acquire(part, Tier.HOST)
+        assert sw.stats().bytes_read == read and sw.stats().bytes_written == written
+        assert torch.equal(views["x"], torch.ones(MiB // 4)) and torch.equal(views["y"], torch.full((3, 5), 7.0))
+        sw.release(part)
+        sw.discard(part)
+        assert all(bool((v == 0).all()) for v in sw.acquire(part, Tier.HOST).values())
+        sw.release(part)
+
+
 def test_host_only_config_touches_no_disk(tmp_path) -> None:
     """With every tier on host, no swap directory is created."""
     with TensorSwapper("configs/cpu.yaml", **{"nvme.paths": [str(tmp_path / "never")]}) as sw:

@@ -1031,3 +1031,96 @@ def test_an_updated_state_without_room_is_written_in_the_forward(tmp_path) -> No
     assert results[0][0] == results[1][0]
     for name, value in results[0][1].items():
         assert torch.equal(results[1][1][name], value), name
+
+
+class _SometimesGated(nn.Module):
+    """Tensors of sizes that leave gaps between them in a partition, and one parameter (`gate`) that gets a
+    gradient only on the steps that use it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 7)
+        self.gate = nn.Parameter(torch.randn(7))
+        self.scale = nn.Parameter(torch.rand(4) + 0.5)  # in the gate's unit, with a gradient every step
+        self.b = nn.Linear(7, 4)
+        self.use_gate = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h * self.gate if self.use_gate else h) * self.scale
+
+
+@pytest.mark.parametrize("grads_tier", ["cpu", "nvme"])
+def test_accumulators_come_back_unzeroed_and_are_zero_outside_the_gradients_they_got(tmp_path, monkeypatch,
+                                                                                   grads_tier: str) -> None:
+    """[Note: accumulators handed out unzeroed]: with every host buffer the pool hands out filled with
+    0xFF (NaN as float32), the accumulators discarded by lazy updates come back unzeroed in the next
+    backward; once it has let them go they hold the gradients the parameters got and zeros everywhere else
+    (gaps, padding, a parameter that got none this step), and 12 steps with clipping and 2-step accumulation
+    equal PyTorch bit for bit."""
+    from tiermem.io.buffers import HostBufferPool
+    from tiermem.swap.host_cache import HostCache
+
+    for name in ("alloc", "alloc_at"):
+        def poisoned(self: HostBufferPool, *args: Any, _orig: Any = getattr(HostBufferPool, name), **kw: Any) -> Any:
+            buf = _orig(self, *args, **kw)
+            if buf is not None:
+                buf.tensor().fill_(0xFF)
+            return buf
+        monkeypatch.setattr(HostBufferPool, name, poisoned)
+    unzeroed: list[str] = []  # accumulators a fetch handed out as the pool had them
+    orig_fill = HostCache.fill
+
+    def fill(self: HostCache, part: Any, buf: Any) -> None:
+        discarded = part.discarded
+        orig_fill(self, part, buf)
+        if discarded and part.name.endswith("#grads") and bool((buf.tensor() == 0xFF).all()):
+            unzeroed.append(part.name)
+    monkeypatch.setattr(HostCache, "fill", fill)
+
+    data = batches(24)
+    ref, model = _SometimesGated(), _SometimesGated()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for k in range(0, 24, 2):
+        ref.use_gate = k % 4 == 0
+        ref_opt.zero_grad()
+        for x, y in data[k:k + 2]:
+            loss = loss_fn(ref, x, y) / 2
+            loss.backward()
+            ref_losses.append(float(loss.detach()))
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+    losses = []
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        **cfg(tmp_path, **{"grads.tier": grads_tier})) as tm:
+        opt, sw = tm.optimizer, tm.swapper
+        fqns = {p: n for n, p in model.named_parameters()}
+        for k in range(0, 24, 2):
+            model.use_gate = k % 4 == 0
+            opt.zero_grad()
+            for x, y in data[k:k + 2]:
+                loss = loss_fn(model, x, y) / 2
+                tm.backward(loss)
+                losses.append(float(loss.detach()))
+                for st in opt.units:
+                    expected = {f for f, p, _ in st.trainable if model.use_gate or p is not model.gate}
+                    assert st.has_grad == expected, (st.unit.name, st.has_grad)
+                    flat = sw.acquire(st.grads, Tier.HOST) and st.grads.flat(Tier.HOST)
+                    try:
+                        outside = torch.ones(flat.numel(), dtype=torch.bool)
+                        for slot in st.grads.layout.slots:
+                            if slot.name in st.has_grad:
+                                outside[slot.offset : slot.offset + slot.nbytes] = False
+                        assert bool((flat[outside] == 0).all()), st.unit.name
+                        assert bool(outside.any())  # there are gaps to check
+                    finally:
+                        sw.release(st.grads)
+            tm.clip_grad_norm_(0.05)
+            opt.step()
+        assert len(fqns) == 6
+    assert unzeroed, "no accumulator came back unzeroed"
+    assert losses == ref_losses
+    for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name

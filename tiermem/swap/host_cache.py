@@ -227,9 +227,10 @@ class HostCache:
     # -- filling a host buffer (lock held) ------------------------------------------------------------
     def fill(self, part: Partition, buf: PoolBuffer) -> None:
         """Give `part` (host state NONE) the buffer and start bringing its bytes into it."""
-        if part.discarded:  # nothing to read: the contents are zeros
+        if part.discarded:  # nothing to read: the contents are zeros, or whatever the buffer holds (discard)
             part.attach_host(buf, self.ledger)
-            buf.tensor().zero_()
+            if part.zero_on_fill:
+                buf.tensor().zero_()
             part.discarded = False
             part.mark_dirty()
         elif part.device_state is DeviceState.READY and part.device_data is not None:

@@ -51,7 +51,8 @@ class Partition:
         self.free_after_write = False  # the write in flight is an eviction: drop the host buffer after
         self.waiters: list[IOFuture] = []  # futures completing when the host bytes are in
         self.resident = False  # kept in host memory between uses: evicted only when nothing else can be
-        self.discarded = False  # contents dropped (TensorSwapper.discard): the next fetch gives zeros, no read
+        self.discarded = False  # contents dropped (TensorSwapper.discard): the next fetch reads nothing
+        self.zero_on_fill = True  # with discarded: that fetch zeroes the buffer (else hands it out as it is)
         self.host_loads = 0  # host buffers attached so far: unchanged while one copy stays in host memory
         # the views made last per tier, and the storage they view: the same buffer gives the same views (a
         # training step asks for every partition's views several times; making them costs more than the update

@@ -13,12 +13,12 @@ transition is a method of Partition (partition.py):
 
 Host. A read from NVMe (HostCache.fill) enters READING; its completion (HostCache._read_done, on the I/O
 engine's thread) READY, or NONE when it failed. attach_host goes straight to READY where there is
-nothing to read: a new partition (TensorSwapper.add), a discarded one coming back as zeros, and the host
-copy of a partition homed on the device, copied from its device copy at once. A write-back
-(HostCache.start_write: an eviction of a dirty partition, `flush`, `write_back`) enters WRITING, and
-its completion always returns to READY: a failed write keeps the host copy, dirty. An eviction then
-drops the host copy (detach_host) if it is still clean and nobody uses, waits for or has it on the
-device; a clean eviction drops it at once. `discard` and `remove` drop it too, and so do `add` and
+nothing to read: a new partition (TensorSwapper.add), a discarded one coming back (zeroed, or as the
+pool has it), and the host copy of a partition homed on the device, copied from its device copy at
+once. A write-back (HostCache.start_write: an eviction of a dirty partition, `flush`, `write_back`)
+enters WRITING, and its completion always returns to READY: a failed write keeps the host copy, dirty.
+An eviction then drops the host copy (detach_host) if it is still clean and nobody uses, waits for or
+has it on the device; a clean eviction drops it at once. `discard` and `remove` drop it too, and so do `add` and
 `release` for a partition homed on a device with its own memory (its device copy is the partition);
 `forget` drops everything at close.
 

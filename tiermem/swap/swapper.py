@@ -576,9 +576,10 @@ class TensorSwapper:
                              "host copies are kept. Check the drive (dmesg, smartctl) and the free space of "
                              "nvme.paths") from failed[0][1]
 
-    def discard(self, part: Partition) -> None:
+    def discard(self, part: Partition, *, zeros: bool = True) -> None:
         """Drop the contents of an idle partition and give its memory back, whatever its home tier; nothing is
-        written. The next fetch hands out zeros without reading (e.g. gradient accumulators after an update).
+        written. The next fetch reads nothing and hands out zeros, or with `zeros=False` a buffer as the pool
+        has it, for a client that writes every byte it will read (gradient accumulators after an update).
         """
         self.wait_idle(part)
         with self._lock:
@@ -587,6 +588,7 @@ class TensorSwapper:
             part.drop_device(self.ledger)
             part.detach_host(self.pool, self.ledger)
             part.discarded = True
+            part.zero_on_fill = zeros
             part.mark_clean()
             part.prefetched = part.want_device = False
             part.checksum = None
