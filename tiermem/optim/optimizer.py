@@ -443,7 +443,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.settle_grads()
             fresh, st.on_device = st.on_device, {}
             names = list(fresh)
-            flat = self.swapper.mover.empty(st.grads.size).zero_()  # zeros between tensors: checked for inf
+            flat = self.swapper.mover.empty(st.grads.size)  # the reduce-scatter writes every byte, gaps as zeros
             with torch.no_grad():  # each rank gets its chunks, averaged over the ranks ([Note: sharding])
                 self._reducing = (st, names, flat, start_scatter_sum(st.unit.ranks, fresh, st.grads.layout, flat))
             return
