@@ -1062,13 +1062,16 @@ def test_accumulators_come_back_unzeroed_and_are_zero_outside_the_gradients_they
     from tiermem.io.buffers import HostBufferPool
     from tiermem.swap.host_cache import HostCache
 
-    for name in ("alloc", "alloc_at"):
-        def poisoned(self: HostBufferPool, *args: Any, _orig: Any = getattr(HostBufferPool, name), **kw: Any) -> Any:
-            buf = _orig(self, *args, **kw)
+    def poisoning(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def poisoned(self: HostBufferPool, *args: Any, **kw: Any) -> Any:
+            buf = orig(self, *args, **kw)
             if buf is not None:
                 buf.tensor().fill_(0xFF)
             return buf
-        monkeypatch.setattr(HostBufferPool, name, poisoned)
+        return poisoned
+
+    for name in ("alloc", "alloc_at"):
+        monkeypatch.setattr(HostBufferPool, name, poisoning(getattr(HostBufferPool, name)))
     unzeroed: list[str] = []  # accumulators a fetch handed out as the pool had them
     orig_fill = HostCache.fill
 

@@ -18,9 +18,9 @@ pool has it), and the host copy of a partition homed on the device, copied from 
 once. A write-back (HostCache.start_write: an eviction of a dirty partition, `flush`, `write_back`)
 enters WRITING, and its completion always returns to READY: a failed write keeps the host copy, dirty.
 An eviction then drops the host copy (detach_host) if it is still clean and nobody uses, waits for or
-has it on the device; a clean eviction drops it at once. `discard` and `remove` drop it too, and so do `add` and
-`release` for a partition homed on a device with its own memory (its device copy is the partition);
-`forget` drops everything at close.
+has it on the device; a clean eviction drops it at once. `discard` and `remove` drop it too, and so do
+`add` and `release` for a partition homed on a device with its own memory (its device copy is the
+partition); `forget` drops everything at close.
 
 Device. reserve_device charges the device's share before any memory is allocated; the compute thread
 then allocates and starts the copy without the lock (TensorSwapper._to_device). COPYING is that
