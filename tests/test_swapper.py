@@ -614,3 +614,16 @@ def test_a_read_ahead_without_room_starts_when_a_write_back_frees_it(tmp_path, h
             sw.release(held, tier=Tier.HOST)
             assert torch.equal(sw.acquire(dirty, Tier.HOST)["w"], data[0] + 1.0)
             sw.release(dirty, tier=Tier.HOST)
+
+
+def test_layout_outside_names_the_bytes_no_named_tensor_covers() -> None:
+    """Layout.outside: the gaps that alignment leaves between tensors, the padding to 4 KiB, and the tensors
+    not named, as byte ranges in order."""
+    from tiermem.swap import Layout
+
+    layout = Layout.of([("a", torch.empty(7)), ("b", torch.empty(5)), ("c", torch.empty(3))])
+    a, b, c = layout.slots
+    assert (a.offset, b.offset, c.offset) == (0, 64, 128)
+    assert layout.outside({"a", "b", "c"}) == [(28, 64), (84, 128), (140, layout.size)]
+    assert layout.outside({"a", "c"}) == [(28, 128), (140, layout.size)]
+    assert layout.outside(set()) == [(0, layout.size)]

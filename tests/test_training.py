@@ -1110,7 +1110,8 @@ def test_accumulators_come_back_unzeroed_and_are_zero_outside_the_gradients_they
                 for st in opt.units:
                     expected = {f for f, p, _ in st.trainable if model.use_gate or p is not model.gate}
                     assert st.has_grad == expected, (st.unit.name, st.has_grad)
-                    flat = sw.acquire(st.grads, Tier.HOST) and st.grads.flat(Tier.HOST)
+                    sw.acquire(st.grads, Tier.HOST)
+                    flat = st.grads.flat(Tier.HOST)
                     try:
                         outside = torch.ones(flat.numel(), dtype=torch.bool)
                         for slot in st.grads.layout.slots:

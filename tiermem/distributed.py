@@ -371,18 +371,13 @@ def start_scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layo
     as soon as it is copied) into `out` (fp32 bytes laid out as `chunks`): once `finish_scatter_sum` returns,
     it holds this rank's chunk of each, averaged over the ranks. Names missing from `whole` count as zeros."""
     rows = torch.empty(ranks.world, chunks.size // 4, dtype=torch.float32, device=out.device)
-    end = 0
+    for start, end in chunks.outside(whole.keys()):  # the gaps between tensors' chunks are summed too
+        rows[:, start // 4 : end // 4].zero_()
     for c in chunks.slots:
-        start, n = c.offset // 4, c.nbytes // 4
-        rows[:, end:start].zero_()  # the gaps between tensors' chunks are summed too
-        end = start + n
         g = whole.pop(c.name, None)
-        if g is None:
-            rows[:, start:end].zero_()
-        else:
-            _whole_to_rows(g.reshape(-1), rows[:, start:end])  # rank r's chunk into row r; padding zeroed
+        if g is not None:  # rank r's chunk into row r; padding zeroed
+            _whole_to_rows(g.reshape(-1), rows[:, c.offset // 4 : (c.offset + c.nbytes) // 4])
         del g
-    rows[:, end:].zero_()
     return Reducing(rows, ranks.start_reduce_scatter(_fp32(out, chunks), rows.view(-1)))
 
 

@@ -1132,16 +1132,10 @@ def _flat(views: dict[str, torch.Tensor], names: Iterable[str]) -> torch.Tensor:
 
 
 def _zero_outside(part: Partition, names: set[str]) -> None:
-    """Zero the bytes of `part`'s host copy outside the tensors `names`: the gaps between tensors, the
-    padding at the end, and the tensors not named."""
+    """Zero the bytes of `part`'s host copy that no tensor in `names` covers (`Layout.outside`)."""
     flat = part.flat(Tier.HOST)
-    pos = 0
-    for slot in part.layout.slots:  # by offset
-        if slot.name in names:
-            if slot.offset > pos:
-                flat[pos : slot.offset].zero_()
-            pos = slot.offset + slot.nbytes
-    flat[pos:].zero_()
+    for start, end in part.layout.outside(names):
+        flat[start:end].zero_()
 
 
 def _step_without_hooks(opt: torch.optim.Optimizer) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +43,19 @@ class Layout:
             slots.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
             offset += nbytes
         return cls(tuple(slots), offset, align_up(max(offset, 1)))
+
+    def outside(self, names: Container[str]) -> list[tuple[int, int]]:
+        """The byte ranges [start, end) of the partition (all `size` bytes) that no tensor in `names` covers:
+        the gaps between tensors, the padding at the end, and the tensors not named."""
+        out, pos = [], 0
+        for s in self.slots:  # by offset
+            if s.name in names:
+                if s.offset > pos:
+                    out.append((pos, s.offset))
+                pos = s.offset + s.nbytes
+        if pos < self.size:
+            out.append((pos, self.size))
+        return out
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Tensors viewing the flat uint8 storage `flat` (no copies), by name."""
