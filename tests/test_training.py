@@ -1099,7 +1099,8 @@ def test_accumulators_come_back_unzeroed_and_are_zero_outside_the_gradients_they
     with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                         **cfg(tmp_path, **{"grads.tier": grads_tier})) as tm:
         opt, sw = tm.optimizer, tm.swapper
-        fqns = {p: n for n, p in model.named_parameters()}
+        # the case the test is about: a parameter without a gradient beside one with it, in one accumulator
+        assert any({"gate", "scale"} <= {f for f, _, _ in st.trainable} for st in opt.units)
         for k in range(0, 24, 2):
             model.use_gate = k % 4 == 0
             opt.zero_grad()
@@ -1123,7 +1124,6 @@ def test_accumulators_come_back_unzeroed_and_are_zero_outside_the_gradients_they
                         sw.release(st.grads)
             tm.clip_grad_norm_(0.05)
             opt.step()
-        assert len(fqns) == 6
     assert unzeroed, "no accumulator came back unzeroed"
     assert losses == ref_losses
     for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
