@@ -306,6 +306,60 @@ def test_retain_graph_and_two_forwards_before_backward(tmp_path) -> None:
         assert torch.equal(a, b)
 
 
+def test_records_read_back_by_a_retained_backward_are_dropped_oldest_first_by_the_next_forward(
+        tmp_path, monkeypatch) -> None:
+    """[Note: the oldest in memory]: a backward with retain_graph reads records back and keeps them; the next
+    forward's packs drop them, oldest first, to stay inside activations.buffer, instead of keeping new tensors
+    in memory for want of room. At every pack the bytes held are what a walk over all the records finds."""
+    torch.manual_seed(0)
+    model, ref = wide(), wide()
+    ref.load_state_dict(model.state_dict())
+    (x1, _), (x2, _) = data(2)
+    for m in (ref, model):
+        ctx = tiered_offload(model, **cfg(tmp_path, **{"activations.keep": 0})) if m is model else nullcontext()
+        with ctx as tm:
+            if tm is not None:
+                store = tm.runtime.activations
+                pack = type(store).pack
+                walks: list[tuple[int, int]] = []
+
+                drops: list[tuple[list[int], list[int]]] = []  # (dropped by a pack, in memory before it)
+
+                def in_memory(self: Any) -> list[int]:
+                    return [r.seq for r in self._records if r.part is not None and self.swapper.holds_host(r.part)]
+
+                def checked(self: Any, t: torch.Tensor) -> Any:
+                    walk = sum(r.part.size for r in self._records
+                               if r.part is not None and self.swapper.holds_host(r.part))
+                    walks.append((self.host_bytes(), walk))
+                    before = in_memory(self)
+                    out = pack(self, t)
+                    after = set(in_memory(self))
+                    drops.append(([q for q in before if q not in after], before))
+                    return out
+
+                monkeypatch.setattr(type(store), "pack", checked)
+            loss = m(x1).square().mean()
+            loss.backward(retain_graph=True)
+            if tm is not None:
+                back = store.stats()["activations_bytes_read"]
+                assert back > 0  # records read back, and the retained graph keeps them
+                store.reset_stats()
+            (m(x2).square().mean() + loss).backward()
+            if tm is not None:
+                st = store.stats()
+        if tm is not None:
+            monkeypatch.undo()
+    assert all(held == walk for held, walk in walks) and len(walks) > 4
+    assert any(dropped for dropped, _ in drops)
+    for dropped, before in drops:  # the oldest in memory go first, those read back by backward included
+        assert dropped == before[: len(dropped)]
+    assert st["activations_kept_bytes"] == 0  # room was made every time
+    assert 0 < st["activations_peak_host_bytes"] <= 512 << 10
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_tensor_larger_than_the_buffer_stays_in_memory(tmp_path) -> None:
     """Nothing fails for want of buffer: a saved tensor that cannot fit is kept where autograd keeps it."""
     torch.manual_seed(0)

@@ -30,6 +30,16 @@ their first unpack), and those that went unused and unwritten (a graph dropped);
 was evicted after all (from the buffer, or by the rest of the cache) is counted in `activations_bytes_written`
 when the record goes (`_removed`).
 
+# [Note: the oldest in memory]
+A pack that would pass ``activations.buffer`` drops the oldest records in memory, and a deep model sends
+hundreds of records a forward, so neither the bytes held nor the oldest record is found by walking all the
+records: that walk, made at every pack, took 0.31 s of a 2.8 s step on a 48-layer GPT-2 with 676 records a
+step (docs/benchmarks.md). The bytes held are the activations arena's count in the swapper's ledger, kept
+as partitions take and give back host memory (`Ledger.host_in`). The records in memory are kept in pack
+order (`_in_memory`): a record the rest of the cache dropped, or one removed, leaves the list when
+`_make_room` comes to it; one that comes back into memory (backward's reads) is out of that order, so the
+list is rebuilt from all the records, oldest first, at the next `_make_room` that has to drop anything.
+
 Views of one storage saved together (GPT-2's query, key and value are views of one projection output)
 share one record: a pack whose storage address matches a record whose source is still alive, at the same
 version, is the same storage with the same bytes.
@@ -75,6 +85,9 @@ if TYPE_CHECKING:
     from tiermem.swap import Partition, TensorSwapper
 
 log = logging.getLogger(__name__)
+
+ARENA = "activations"
+"""The host pool's arena the records' partitions ask for (see [Note: host budget] in swap/host_cache.py)."""
 
 
 class _Hold:
@@ -152,6 +165,10 @@ class ActivationStore:
         self._gone: list[_Record] = []  # handles autograd freed, to count down
         self._seq = 0
         self._records: deque[_Record] = deque()  # records with a partition, oldest first
+        # records in host memory, oldest first, for _make_room; some may have left it since (see
+        # [Note: the oldest in memory]); _resort: rebuild it from _records first
+        self._in_memory: deque[_Record] = deque()
+        self._resort = False
         self._pending: list[_Record] = []  # this pass's records, in pack order (for read-ahead)
         self._ahead = 1 << 62  # the lowest index into _pending that backward has unpacked; reads go below it
         self._by_ptr: dict[int, _Record] = {}
@@ -178,6 +195,7 @@ class ActivationStore:
         self._pending = [r for r in self._pending if r.part is not None]
         self._ahead = 1 << 62
         self._by_ptr.clear()
+        self._in_memory = deque(r for r in self._in_memory if r.part is not None)
 
     def pack(self, t: torch.Tensor) -> Any:
         """Send `t`'s storage toward NVMe and return what autograd keeps instead (or `t` itself)."""
@@ -225,7 +243,7 @@ class ActivationStore:
 
         try:
             rec.part = self.swapper.add(f"activation#{rec.seq}", [("data", _meta(nbytes))], home="nvme", fill=fill,
-                                        arena="activations")
+                                        arena=ARENA)
         except (BudgetError, StoreError, OSError) as exc:  # a full host cache or disk: keep it in memory
             self._keep(nbytes, str(exc))
             return t
@@ -238,6 +256,7 @@ class ActivationStore:
         rec.version = t._version
         self._by_ptr[ptr] = rec
         self._records.append(rec)
+        self._in_memory.append(rec)
         self._pending.append(rec)
         self.saved_bytes += nbytes
         self._pass_sent += nbytes
@@ -270,18 +289,26 @@ class ActivationStore:
             log.warning("keeping a saved activation of %s in memory: %s", format_size(nbytes), why)
 
     def host_bytes(self) -> int:
-        """Host bytes the activations hold in the cache now."""
-        return sum(r.part.size for r in self._records if r.part is not None and self.swapper.holds_host(r.part))
+        """Host bytes the activations hold in the cache now (their arena's count in the swapper's ledger)."""
+        return self.swapper.host_bytes_in(ARENA)
 
     def _make_room(self, size: int) -> bool:
         """Drop the oldest activations from host memory (after their writes) until `size` more fits the
-        quota; False when the rest are held by tensors backward is using."""
+        quota; False when the rest are held by tensors backward is using. See [Note: the oldest in memory]."""
         held = self.host_bytes()
-        for rec in list(self._records):
-            if held + size <= self.quota:
-                return True
+        if held + size <= self.quota:
+            return True
+        if self._resort:
+            self._in_memory = deque(r for r in self._records if r.part is not None and self.swapper.holds_host(r.part))
+            self._resort = False
+        stay: list[_Record] = []  # in memory and not to be dropped now, oldest first
+        while self._in_memory and held + size > self.quota:
+            rec = self._in_memory.popleft()
             part = rec.part
-            if part is None or rec.holds or rec.copying is not None or not self.swapper.holds_host(part):
+            if part is None or not self.swapper.holds_host(part):
+                continue  # removed, or dropped by the rest of the cache: off the list
+            if rec.holds or rec.copying is not None:
+                stay.append(rec)
                 continue
             try:
                 # a write in flight, or a deferred record's write-back that its eviction starts: the bytes
@@ -289,10 +316,13 @@ class ActivationStore:
                 self.swapper.evict(part).wait()
             except OSError as exc:
                 log.warning("writing a saved activation to swap failed (%s); keeping it in memory", str(exc))
+                stay.append(rec)
                 continue
             self.swapper.evict(part)  # now clean: dropped at once
-            if not self.swapper.holds_host(part):
-                held -= part.size
+            if self.swapper.holds_host(part):
+                stay.append(rec)
+            held = self.host_bytes()
+        self._in_memory.extendleft(reversed(stay))
         return held + size <= self.quota
 
     # -- backward ---------------------------------------------------------------------------------
@@ -307,6 +337,7 @@ class ActivationStore:
         t0 = time.perf_counter()
         if not self.swapper.holds_host(part):
             self.bytes_read += part.size
+            self._resort = True  # back in memory, out of the pack order of _in_memory
         elif rec.deferred and not rec.spared and self.swapper.owes_write(part):
             rec.spared = True
             self.unwritten_bytes += part.size
@@ -340,6 +371,7 @@ class ActivationStore:
                     if self.swapper.prefetch(r.part, Tier.HOST) is None:
                         return  # no host memory free now
                     self.bytes_read += r.part.size
+                    self._resort = True
                 ahead += r.part.size
             k -= 1
 
@@ -419,6 +451,7 @@ class ActivationStore:
                 self.swapper.remove(part)
                 self._removed(rec, part)
         self._records.clear()
+        self._in_memory.clear()
         self._pending = []
         self._by_ptr.clear()
 

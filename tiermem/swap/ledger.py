@@ -30,9 +30,11 @@ class Ledger:
         self.budget: dict[str, int | None] = {"device": device_budget, "host": host_budget, "nvme": None}
         self._now = dict.fromkeys(TIERS, 0)  # bytes held now
         self._peak = dict.fromkeys(TIERS, 0)  # most bytes held since the last reset
+        self._by_arena: dict[str, int] = {}  # host bytes held now, by the arena the partitions asked for
 
-    def add(self, tier: str, nbytes: int, what: str = "") -> None:
-        """Charge `nbytes` to `tier`; BudgetError naming `what` when that passes the tier's budget."""
+    def add(self, tier: str, nbytes: int, what: str = "", *, arena: str | None = None) -> None:
+        """Charge `nbytes` to `tier` (and, on the host, to `arena`); BudgetError naming `what` when that
+        passes the tier's budget."""
         with self._lock:
             total = self._now[tier] + nbytes
             limit = self.budget[tier]
@@ -41,17 +43,28 @@ class Ledger:
                                   f"{format_size(limit)}")
             self._now[tier] = total
             self._peak[tier] = max(self._peak[tier], total)
+            if arena is not None:
+                self._by_arena[arena] = self._by_arena.get(arena, 0) + nbytes
 
-    def sub(self, tier: str, nbytes: int) -> None:
-        """Take back a charge made by `add`."""
+    def sub(self, tier: str, nbytes: int, *, arena: str | None = None) -> None:
+        """Take back a charge made by `add` (with the same `arena`)."""
         with self._lock:
             self._now[tier] -= nbytes
             if self._now[tier] < 0:
                 raise AssertionError(f"ledger for {tier} went negative")
+            if arena is not None:
+                self._by_arena[arena] -= nbytes
+                if self._by_arena[arena] < 0:
+                    raise AssertionError(f"ledger for host arena {arena} went negative")
 
     def now(self, tier: str) -> int:
         """Bytes `tier` holds now."""
         return self._now[tier]
+
+    def host_in(self, arena: str) -> int:
+        """Host bytes held now by partitions of `arena` (wherever their buffers are: a saved activation that
+        overflows into the main arena still counts as the activations'), in O(1)."""
+        return self._by_arena.get(arena, 0)
 
     def snapshot(self) -> LedgerSnapshot:
         """Bytes per tier now and at peak, copied under the lock."""

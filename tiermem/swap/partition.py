@@ -99,7 +99,7 @@ class Partition:
         """NONE -> `state` with `buf` as the host buffer; charges the host ledger."""
         if self.host_state is not HostState.NONE:
             raise StateError(f"partition {self.name!r} has a host buffer already")
-        ledger.add("host", self.size, f"partition {self.name!r}")
+        ledger.add("host", self.size, f"partition {self.name!r}", arena=self.arena)
         self.host = buf
         self.host_state = state
         self.host_loads += 1
@@ -123,7 +123,7 @@ class Partition:
         if self.device_state is not DeviceState.NONE and self.device_data is None:
             raise StateError(f"partition {self.name!r}: its host buffer is its device copy; drop that first")
         pool.free(self.host)
-        ledger.sub("host", self.size)
+        ledger.sub("host", self.size, arena=self.arena)
         self.host = None
         self.host_state = HostState.NONE
         self._views.pop("host", None)
@@ -168,7 +168,7 @@ class Partition:
         pool goes as a whole), so a Partition object kept afterwards holds none of its memory."""
         self.drop_device(ledger)
         if self.host is not None:
-            ledger.sub("host", self.size)
+            ledger.sub("host", self.size, arena=self.arena)
         self.host = None
         self.host_state = HostState.NONE
         self._views.clear()

@@ -190,6 +190,10 @@ class TensorSwapper:
         with self._lock:
             return part.host_state is not HostState.NONE
 
+    def host_bytes_in(self, arena: str) -> int:
+        """Host bytes that partitions of `arena` hold now (those that `holds_host`), counted as they come and go."""
+        return self.ledger.host_in(arena)
+
     def owes_write(self, part: Partition) -> bool:
         """Whether `part`'s host copy is newer than its NVMe copy (or it has none yet): a write-back is owed."""
         with self._lock:
