@@ -360,6 +360,47 @@ def test_records_read_back_by_a_retained_backward_are_dropped_oldest_first_by_th
         assert torch.equal(p.grad, q.grad)
 
 
+def test_backward_finds_the_records_it_unpacks_read_ahead(tmp_path, monkeypatch) -> None:
+    """Each unpack reads ahead the records saved before it, half of activations.buffer of them: on a deep
+    stack backward finds every record it unpacks in memory or on its way, and no record is read twice. Results
+    equal PyTorch's."""
+    from tiermem.swap import TensorSwapper
+
+    def deep() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 512), *[m for _ in range(20) for m in (nn.Tanh(), nn.Linear(512, 512))])
+
+    model, ref = deep(), deep()
+    (x, _), = data(1)
+    ref(x).square().mean().backward()
+    found: list[bool] = []  # per unpack: its record was in memory, or on its way, when backward asked
+    prefetched: Counter[str] = Counter()
+    with tiered_offload(model, **cfg(tmp_path, **{"activations.keep": 0, "memory.host_budget": "32MiB"})) as tm:
+        store = tm.runtime.activations
+        unpack, prefetch = type(store).unpack, TensorSwapper.prefetch
+
+        def watched(self: Any, saved: Any) -> Any:
+            found.append(self.swapper.holds_host(saved.record.part))
+            return unpack(self, saved)
+
+        def counted(self: TensorSwapper, part: Any, *args: Any, **kwargs: Any) -> Any:
+            if part.name.startswith("activation#"):
+                prefetched[part.name] += 1
+            return prefetch(self, part, *args, **kwargs)
+
+        monkeypatch.setattr(type(store), "unpack", watched)
+        monkeypatch.setattr(TensorSwapper, "prefetch", counted)
+        model(x).square().mean().backward()
+        st = tm.stats()
+    # 21 storages of 128 KiB (each Linear's input, each Tanh's output) and the input: all but the 4 that the
+    # 512 KiB buffer holds when forward ends go to disk and come back
+    assert st["activations_bytes_read"] >= 16 * 128 * 1024
+    assert len(found) >= 40 and found.count(False) <= 2, found
+    assert prefetched and max(prefetched.values()) == 1
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_tensor_larger_than_the_buffer_stays_in_memory(tmp_path) -> None:
     """Nothing fails for want of buffer: a saved tensor that cannot fit is kept where autograd keeps it."""
     torch.manual_seed(0)

@@ -171,6 +171,8 @@ class ActivationStore:
         self._resort = False
         self._pending: list[_Record] = []  # this pass's records, in pack order (for read-ahead)
         self._ahead = 1 << 62  # the lowest index into _pending that backward has unpacked; reads go below it
+        self._cum = [0]  # _cum[i]: bytes of the partitions of _pending[:i] (4 KiB-aligned sizes)
+        self._frontier = 1 << 62  # the lowest index into _pending that read-ahead has come to (see _read_ahead)
         self._by_ptr: dict[int, _Record] = {}
         self._copying: list[_Record] = []  # device-to-host copies whose write has not started
         self.bytes_written = 0
@@ -193,7 +195,10 @@ class ActivationStore:
         self._pass_total = self._pass_sent = 0
         self._kept.clear()
         self._pending = [r for r in self._pending if r.part is not None]
-        self._ahead = 1 << 62
+        self._cum = [0]
+        for r in self._pending:
+            self._cum.append(self._cum[-1] + align_up(r.nbytes))
+        self._ahead = self._frontier = 1 << 62
         self._by_ptr.clear()
         self._in_memory = deque(r for r in self._in_memory if r.part is not None)
 
@@ -258,6 +263,7 @@ class ActivationStore:
         self._records.append(rec)
         self._in_memory.append(rec)
         self._pending.append(rec)
+        self._cum.append(self._cum[-1] + align_up(nbytes))
         self.saved_bytes += nbytes
         self._pass_sent += nbytes
         self.peak_host = max(self.peak_host, self.host_bytes())
@@ -358,21 +364,27 @@ class ActivationStore:
         return out
 
     def _read_ahead(self, rec: _Record) -> None:
+        """Prefetch the records saved before the lowest one backward has unpacked, up to read_ahead_bytes of
+        them. The records between that one and the lowest already read ahead were seen by an earlier call, so
+        each record is looked at once a pass: their bytes come from `_cum` (every record below the lowest
+        unpacked is one backward has not used yet; one freed unused still counts, and only shortens the
+        read-ahead). A prefetch that finds no room ends the call, and the next one starts from it again."""
         pending = self._pending
         k = self._index_of(rec)
         if k is not None:
             self._ahead = min(self._ahead, k)
-        ahead = 0
-        k = min(self._ahead, len(pending)) - 1
+        top = min(self._ahead, len(pending))
+        k = min(self._frontier, top) - 1
+        ahead = self._cum[top] - self._cum[k + 1]
         while k >= 0 and ahead < self.read_ahead_bytes:
             r = pending[k]
-            if r.part is not None and r.unpacked == 0:
-                if not self.swapper.holds_host(r.part):
-                    if self.swapper.prefetch(r.part, Tier.HOST) is None:
-                        return  # no host memory free now
-                    self.bytes_read += r.part.size
-                    self._resort = True
-                ahead += r.part.size
+            if r.part is not None and r.unpacked == 0 and not self.swapper.holds_host(r.part):
+                if self.swapper.prefetch(r.part, Tier.HOST) is None:
+                    return  # no host memory free now
+                self.bytes_read += r.part.size
+                self._resort = True
+            ahead += align_up(r.nbytes)
+            self._frontier = k
             k -= 1
 
     def _index_of(self, rec: _Record) -> int | None:
@@ -453,6 +465,7 @@ class ActivationStore:
         self._records.clear()
         self._in_memory.clear()
         self._pending = []
+        self._cum = [0]
         self._by_ptr.clear()
 
     def stats(self) -> dict[str, Any]:
