@@ -19,6 +19,7 @@ from tests import models
 from tests.faults import SHORT, FaultyEngine
 from tiermem import OffloadError, tiered_offload
 from tiermem.errors import StoreError, TiermemError
+from tiermem.interrupts import deferred_interrupts
 from tiermem.io.backends import create_engine
 from tiermem.offload import RestoreError
 from tiermem.store import SwapStore
@@ -42,6 +43,37 @@ def assert_values(model: nn.Module, values: dict[str, torch.Tensor], skip: set[s
     for name, p in model.named_parameters():
         if name not in skip:
             assert p.device.type == "cpu" and torch.equal(p.detach(), values[name]), name
+
+
+def test_deferred_interrupts_deliver_a_held_back_signal_once_the_outer_block_ends() -> None:
+    """A SIGINT inside a block reaches the handler that was in place only when the outermost block ends,
+    once; each block puts back the very handler it found (a user's own here), also when the block raises."""
+    got: list[int] = []
+
+    def users(signum: int, frame: Any) -> None:
+        got.append(signum)
+
+    before = signal.signal(signal.SIGINT, users)
+    try:
+        with deferred_interrupts():
+            with deferred_interrupts():
+                signal.raise_signal(signal.SIGINT)
+                assert got == []
+            assert got == []  # the inner block handed it to the outer one's recorder
+            assert signal.getsignal(signal.SIGINT) is not users
+        assert got == [signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is users
+        with pytest.raises(ValueError), deferred_interrupts():
+            raise ValueError("inside")
+        assert signal.getsignal(signal.SIGINT) is users
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with deferred_interrupts():  # ignored: nothing to hold back, nothing changed
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    with pytest.raises(KeyboardInterrupt), deferred_interrupts():  # Python's own handler raises after the block
+        signal.raise_signal(signal.SIGINT)
 
 
 @pytest.mark.timeout(60)

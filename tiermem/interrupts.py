@@ -8,10 +8,17 @@ puts a recording SIGINT handler in place for such a block; a signal that arrives
 the previous handler (raising KeyboardInterrupt, by default) as soon as the block ends, so the interrupt
 still lands, only a few microseconds later and between consistent states. Outside the main thread, or
 when SIGINT is ignored, it does nothing. Blocks nest.
+
+A block runs around every read and write the swap layer queues and every unit's update, 107 a step on the
+training bench, so it swaps the handler through `_signal`, the C module under `signal`: `signal.signal` and
+`signal.getsignal` also turn what they return into an enum member, which for a Python function goes through
+an exception inside enum's lookup. A block took 21-23 microseconds that way and takes 5 now (2.3 ms of the
+bench's step against 0.6 ms).
 """
 
 from __future__ import annotations
 
+import _signal
 import signal
 import threading
 from collections.abc import Iterator
@@ -25,7 +32,7 @@ def deferred_interrupts() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = _signal.getsignal(signal.SIGINT)
     if not callable(previous):  # SIG_IGN or SIG_DFL: nothing would raise in Python anyway
         yield
         return
@@ -34,10 +41,10 @@ def deferred_interrupts() -> Iterator[None]:
     def record(signum: int, frame: FrameType | None) -> None:
         received.append((signum, frame))
 
-    signal.signal(signal.SIGINT, record)
+    _signal.signal(signal.SIGINT, record)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(signal.SIGINT, previous)
         if received:
             previous(*received[0])
