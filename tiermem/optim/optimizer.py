@@ -443,7 +443,11 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.settle_grads()
             fresh, st.on_device = st.on_device, {}
             names = list(fresh)
-            flat = self.swapper.mover.empty(st.grads.size)  # the reduce-scatter writes every byte, gaps as zeros
+            if self.swapper.mover.has_own_memory or st.has_grad:
+                flat = self.swapper.mover.empty(st.grads.size)  # the reduce-scatter writes every byte, gaps as zeros
+            else:  # the CPU computing and nothing accumulated yet: the reduce-scatter writes the accumulators
+                self._hold_grads(st)
+                flat = st.grads.flat(Tier.HOST)
             with torch.no_grad():  # each rank gets its chunks, averaged over the ranks ([Note: sharding])
                 self._reducing = (st, names, flat, start_scatter_sum(st.unit.ranks, fresh, st.grads.layout, flat))
             return
@@ -467,6 +471,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._reducing = None
         finish_scatter_sum(st.unit.ranks, reducing, st.grads.layout, flat)
         if discard:
+            if st.grads_held and not st.has_grad:  # it may have written the accumulators: zeroed when let go
+                st.grads_unset = True
             return
         self._gradients_to_host(st, names, flat)
         self._let_grads_go(st)
@@ -509,13 +515,17 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _gradients_to_host(self, st: UnitOptimState, names: list[str], flat: torch.Tensor) -> None:
         """The unit's gradients `names`, in fp32 on the device in one flat buffer laid out as the accumulators,
-        in one copy to the host: straight into the accumulators when none holds an earlier micro-batch's
-        gradient, else into a staging buffer from the host pool that is added on the host."""
+        in one copy to the host: straight into the accumulators when none of the unit's holds an earlier
+        micro-batch's gradient (`flat` may be the accumulators themselves then, written by the reduce-scatter),
+        else into a staging buffer from the host pool that is added on the host. Not only `names`: a parameter
+        that got a gradient in an earlier micro-batch and none in this one keeps it."""
         if self.check_finite and not self.found_inf and not bool(torch.isfinite(flat.view(torch.float32)).all()):
             self.found_inf = True
         grads = self._hold_grads(st)
-        if not any(f in st.has_grad for f in names):
-            self._to_host(flat, st.grads.flat(Tier.HOST))  # every byte, zeros between the tensors
+        if not st.has_grad:
+            host = st.grads.flat(Tier.HOST)
+            if flat.data_ptr() != host.data_ptr():
+                self._to_host(flat, host)  # every byte, zeros between the tensors
             st.has_grad.update(names)
             st.grads_unset = False
             return
