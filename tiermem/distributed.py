@@ -18,7 +18,9 @@ ahead depends only on the recorded order, never on timing (whether a read has fi
 the same prediction and the same mistakes. Nothing is gathered ahead across the end of a pass: the
 optimizer step between passes changes the parameters. After a unit's backward its gradients are laid out in N
 rows the same way and `reduce_scatter_tensor` leaves each rank the sum of its chunks, divided by N (the
-average DDP takes). The gradient norm for clipping and the float16 overflow check are all-reduced.
+average DDP takes); on the CPU, for a unit with nothing accumulated yet, straight into its accumulators (see
+[Note: accumulators handed out unzeroed] in tiermem/optim/optimizer.py). The gradient norm for clipping
+and the float16 overflow check are all-reduced.
 
 Checkpoints hold whole tensors, so any number of ranks (one included) loads them, each reading its chunks;
 each rank writes its own chunks into the files when all ranks see the folder, else rank 0 writes them

@@ -68,6 +68,14 @@ and when the backward lets them go the bytes it did not write (the gaps between 
 parameters that got no gradient) are zeroed (`_zero_outside`), so that from then on they hold what zeroed
 accumulators would. Nothing reads them before that: the norm, the finite check and the update read only
 the parameters with a gradient, and only after the backward.
+
+Only a unit none of whose accumulators holds a gradient yet takes a micro-batch's gradients as one copy over
+the whole partition (zeros for the parameters it has none of); once any holds one, each later micro-batch is
+added, also where it gives gradients only to parameters the earlier ones gave none (a mixture of experts
+sending two micro-batches to different experts of one layer). Copying over them then, as the code did while
+the test was whether this micro-batch's parameters had one, zeroed the earlier micro-batches' gradients on a
+device with memory of its own and with several ranks. With several ranks on the CPU that first copy is not
+made at all: the reduce-scatter's output is the accumulators' host buffer itself.
 """
 
 from __future__ import annotations
