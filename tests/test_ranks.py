@@ -418,6 +418,82 @@ def _assert_continued_alike(got: Path, want: Path, bound: float) -> None:
         assert diff <= bound, (name, diff, bound)
 
 
+class _Experts(torch.nn.Module):
+    """Two weights in one unit, one used per call, as a mixture of experts routes a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w0 = torch.nn.Parameter(torch.randn(4, 32) * 0.3)
+        self.w1 = torch.nn.Parameter(torch.randn(4, 32) * 0.3)
+
+    def forward(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        return h @ (self.w0 if expert == 0 else self.w1).t()
+
+
+class _RoutedModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(32, 32)
+        self.experts = _Experts()
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.experts(torch.tanh(self.inp(x)), expert)
+
+
+def _routed_data(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11 + rank)
+    return [(torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)) for _ in range(STEPS * ACCUMULATE)]
+
+
+def _routed_rank(rank: int, world: int, folder: Path) -> None:
+    from tiermem import tiered_offload
+
+    model = _RoutedModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    cfg = _offload_cfg(folder, rank, **{"wrap.min_unit_bytes": 0, "grads.tier": "nvme"})
+    data = _routed_data(rank)
+    with tiered_offload(model, optimizer=opt, **cfg) as tm:
+        assert any({"experts.w0", "experts.w1"} <= {f for f, _, _ in st.trainable} for st in tm.optimizer.units)
+        for k in range(0, len(data), ACCUMULATE):
+            tm.optimizer.zero_grad()
+            for j, (x, y) in enumerate(data[k : k + ACCUMULATE]):
+                expert = rank if k % 4 == 0 else (rank + j) % 2  # expert r on rank r, or each in turn
+                tm.backward(((model(x, expert) - y) ** 2).mean() / ACCUMULATE)
+            tm.clip_grad_norm_(0.5)
+            tm.optimizer.step()
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, folder / f"params{rank}.pt")
+
+
+def test_two_ranks_that_give_different_parameters_of_a_unit_gradients_update_them_as_ddp_would(tmp_path) -> None:
+    """Rank r sends its micro-batches to expert r (on every other step, each rank both experts in turn), so
+    each rank has gradients for only some of one unit's parameters: every rank updates every parameter some
+    rank gave a gradient, with the average over the ranks (the others' counted as zeros, as DDP with
+    find_unused_parameters does), and clipping takes the norm of all of them. 10 steps of SGD with momentum,
+    2-step accumulation, clipping: both ranks end with the weights of one process doing DDP's arithmetic,
+    within 1e-6. Before, each rank updated only its own experts' chunks."""
+    run_ranks(_routed_rank, 2, tmp_path / "two", timeout_s=120)
+    model = _RoutedModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = [_routed_data(rank) for rank in range(2)]
+    for k in range(0, STEPS * ACCUMULATE, ACCUMULATE):
+        opt.zero_grad()
+        for j in range(ACCUMULATE):
+            losses = []
+            for rank in range(2):
+                x, y = data[rank][k + j]
+                expert = rank if k % 4 == 0 else (rank + j) % 2
+                losses.append(((model(x, expert) - y) ** 2).mean() / ACCUMULATE)
+            (sum(losses) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    ranks = [torch.load(tmp_path / "two" / f"params{rank}.pt") for rank in range(2)]
+    for name, value in model.named_parameters():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        diff = (ranks[0][name] - value.detach()).abs().max().item()
+        assert diff <= 1e-6, (name, diff)
+
+
 def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None:
     """Two ranks save one checkpoint of whole tensors (transformers' from_pretrained loads its weights); one
     process loads it and saves the same bytes again; and a checkpoint saved by one process, loaded by two

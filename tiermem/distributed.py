@@ -19,8 +19,14 @@ the same prediction and the same mistakes. Nothing is gathered ahead across the 
 optimizer step between passes changes the parameters. After a unit's backward its gradients are laid out in N
 rows the same way and `reduce_scatter_tensor` leaves each rank the sum of its chunks, divided by N (the
 average DDP takes); on the CPU, for a unit with nothing accumulated yet, straight into its accumulators (see
-[Note: accumulators handed out unzeroed] in tiermem/optim/optimizer.py). The gradient norm for clipping
-and the float16 overflow check are all-reduced.
+[Note: accumulators handed out unzeroed] in tiermem/optim/optimizer.py); a later micro-batch's are added
+to them whole, every rank's chunk holding the other ranks' sums too. A rank may give gradients to other
+parameters of a unit than another rank does (a mixture of experts routing each rank's batch elsewhere): as
+DDP with find_unused_parameters counts the others' as zeros in the average, a parameter has a gradient when
+any rank gave it one, so before clipping, unscaling or the step the ranks agree on those with one all-reduce
+of a flag per parameter (`TieredOptimizer._agree_grads`), and all update the same ones. Every rank must
+still run each unit's backward (its reduce-scatter is a collective). The gradient norm for clipping and the
+float16 overflow check are all-reduced.
 
 Checkpoints hold whole tensors, so any number of ranks (one included) loads them, each reading its chunks;
 each rank writes its own chunks into the files when all ranks see the folder, else rank 0 writes them

@@ -259,6 +259,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.growth_factor, self.backoff_factor, self.growth_interval = 2.0, 0.5, 2000
         self._good_steps = 0  # steps since the scale last changed
         self.found_inf = False  # an inf/nan gradient arrived since zero_grad: the next step is skipped
+        self._grads_agreed = True  # several ranks: every rank's has_grad is the union since the last gradients
         self.skipped_steps = 0
         # whether each backward since the last step had its loss scaled (tm.backward) or not (loss.backward()):
         # gradients are divided by the scale only when it was applied (see `loss_scale_now`)
@@ -530,6 +531,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self.check_finite and not self.found_inf and not bool(torch.isfinite(flat.view(torch.float32)).all()):
             self.found_inf = True
         grads = self._hold_grads(st)
+        sharded = st.unit.ranks.sharded
+        self._grads_agreed = not sharded
         if not st.has_grad:
             host = st.grads.flat(Tier.HOST)
             if flat.data_ptr() != host.data_ptr():
@@ -537,12 +540,20 @@ class TieredOptimizer(torch.optim.Optimizer):
             st.has_grad.update(names)
             st.grads_unset = False
             return
+        if sharded and not self.swapper.mover.has_own_memory:  # the CPU: `flat` is host memory already
+            _add_whole(st.grads.flat(Tier.HOST), flat)
+            st.has_grad.update(names)
+            return
         staging = self.swapper.cache.alloc(st.grads)  # a host buffer the accumulators' size, evicting as needed
         try:
             host = staging.tensor()
             self._to_host(flat, host)
-            staged = st.grads.layout.views(host)
-            self._add_grads(st, {f: staged[f] for f in names}, grads)
+            if sharded:  # every rank's chunks, of the parameters this rank got no gradient for as well
+                _add_whole(st.grads.flat(Tier.HOST), host)
+                st.has_grad.update(names)
+            else:
+                staged = st.grads.layout.views(host)
+                self._add_grads(st, {f: staged[f] for f in names}, grads)
         finally:
             self.swapper.pool.free(staging)
 
@@ -697,6 +708,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             raise OptimizerError("torch.amp.GradScaler: params.dtype float16 scales the loss itself (tm.backward); "
                                  "drop the GradScaler from the loop, or set params.dtype to bfloat16 or float32")
         self.unscaled_by = float(inv_scale)
+        self._agree_grads()
         if not self.check_finite:  # the first time: this step's gradients arrived unchecked
             self.check_finite = True
             self.found_inf = self._any_nonfinite()
@@ -754,8 +766,23 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._warned_unscaled = True
         return 1.0
 
+    def _agree_grads(self) -> None:
+        """With several ranks, a parameter has a gradient when any rank gave it one, as DDP (with
+        find_unused_parameters) averages the others' in as zeros: each rank's `has_grad` becomes the union,
+        with one all-reduce of a flag per parameter once the last gradients are in (see [Note: sharding]).
+        Every rank calls it at the same points (clipping, unscaling, the step), so their collectives match."""
+        if self._grads_agreed:
+            return
+        self._grads_agreed = True
+        ranks = self.units[0].unit.ranks
+        flags = torch.tensor([float(f in st.has_grad) for st in self.units for f, _, _ in st.trainable])
+        got = iter(ranks.all_reduce(flags, "max").tolist())
+        for st in self.units:
+            st.has_grad.update([f for f, _, _ in st.trainable if next(got)])
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Like torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""
+        self._agree_grads()
         self._apply_to_kept_grads()  # the norm is of the gradients as the last step left them, as torch's
         ranked: list[tuple[int, torch.Tensor]] = []
         for st in self.units:
@@ -795,6 +822,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._agree_grads()
         if self.loss_scaling and self.units and self.units[0].unit.ranks.sharded:  # skip on every rank, or none
             self.found_inf = bool(self.units[0].unit.ranks.all_reduce(torch.tensor([float(self.found_inf)]), "max")[0])
         scale = self.loss_scale_now()
@@ -1136,6 +1164,12 @@ class TieredOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         raise OptimizerError("add_param_group is not supported inside tiered_offload; add the group before entering")
+
+
+def _add_whole(acc: torch.Tensor, src: torch.Tensor) -> None:
+    """Add the fp32 accumulators' partition `src` (uint8, laid out as `acc`, at least as long) into `acc`,
+    every byte: the gaps hold zeros in both."""
+    acc.view(torch.float32).add_(src[: acc.numel()].view(torch.float32))
 
 
 def _flat(views: dict[str, torch.Tensor], names: Iterable[str]) -> torch.Tensor:
