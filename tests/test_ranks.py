@@ -494,6 +494,57 @@ def test_two_ranks_that_give_different_parameters_of_a_unit_gradients_update_the
         assert diff <= 1e-6, (name, diff)
 
 
+def _backward_fails_once_rank(rank: int, world: int, folder: Path, fail: bool) -> None:
+    from tiermem import tiered_offload
+
+    model = _gpt2().train()
+    opt = torch.optim.AdamW(_groups(model), lr=1e-3)
+    armed = {"now": False}
+
+    def raising(grad: torch.Tensor) -> None:
+        raise ValueError("block 0's backward fails")
+
+    def arm(module: torch.nn.Module, args: object, out: tuple[torch.Tensor, ...]) -> None:
+        if armed["now"]:  # block 1's gradients are all in (their reduce-scatter started) when this one's comes
+            armed["now"] = False
+            out[0].register_hook(raising)
+
+    model.transformer.h[0].attn.register_forward_hook(arm)
+    cfg = _offload_cfg(folder, rank, **{"memory.host_budget": "4MiB", "grads.tier": "cpu"})
+    data = _batches(rank)[:8]
+    with tiered_offload(model, optimizer=opt, **cfg) as tm:
+        for k, ids in enumerate(data):
+            tm.optimizer.zero_grad()
+            if fail and k == 3:  # on both ranks
+                armed["now"] = True
+                with pytest.raises(ValueError, match="block 0's backward fails"):
+                    tm.backward(model(ids, labels=ids).loss)
+                tm.optimizer.zero_grad()
+                loss = model(ids, labels=ids).loss  # its first unit gives back what the failed backward held
+                held = [st.unit.name for st in tm.optimizer.units if st.grads_held]
+                assert not held, held
+                tm.backward(loss)
+            else:
+                tm.backward(model(ids, labels=ids).loss)
+            tm.clip_grad_norm_(1.0)
+            tm.optimizer.step()
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, folder / f"params{rank}.pt")
+
+
+def test_two_ranks_whose_backward_raises_with_a_reduce_scatter_in_flight_train_on_as_if_it_never_ran(tmp_path) -> None:
+    """Both ranks' backward raises in block 0 while block 1's gradients are being reduce-scattered into its
+    accumulators; the loop catches it and runs that batch again. Once the next forward has given back what
+    the failed backward held, no unit's accumulators are held (block 1's were, written by the collective),
+    and the weights after 8 steps equal, bit for bit, those of the same ranks that never failed."""
+    run_ranks(_backward_fails_once_rank, 2, tmp_path / "failed", True, timeout_s=120)
+    run_ranks(_backward_fails_once_rank, 2, tmp_path / "clean", False, timeout_s=120)
+    for rank in range(2):
+        got = torch.load(tmp_path / "failed" / f"params{rank}.pt")
+        want = torch.load(tmp_path / "clean" / f"params{rank}.pt")
+        for name, value in want.items():
+            assert torch.equal(got[name], value), (rank, name)
+
+
 def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None:
     """Two ranks save one checkpoint of whole tensors (transformers' from_pretrained loads its weights); one
     process loads it and saves the same bytes again; and a checkpoint saved by one process, loaded by two

@@ -480,8 +480,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._reducing = None
         finish_scatter_sum(st.unit.ranks, reducing, st.grads.layout, flat)
         if discard:
-            if st.grads_held and not st.has_grad:  # it may have written the accumulators: zeroed when let go
+            if st.grads_held and not st.has_grad:  # it wrote the accumulators themselves: zeroed and let go
                 st.grads_unset = True
+                self._let_grads_go(st)
             return
         self._gradients_to_host(st, names, flat)
         self._let_grads_go(st)
