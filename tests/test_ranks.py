@@ -73,7 +73,7 @@ def test_a_unit_gathered_from_two_ranks_chunks_is_whole_and_gradients_reduce_to_
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_a_tensor_split_into_rank_rows_and_joined_again_is_itself_with_the_padding_zero(world: int) -> None:
     """The strided copies between a tensor whole and its ranks' rows (the last ones padded, or empty), for the
-    numbers of ranks no test spawns."""
+    numbers of ranks no test spawns; joined again also with one rank's row given apart."""
     for numel in (0, 1, world - 1, world, world + 1, 7 * world - 1, 101):
         t = torch.randn(max(numel, 0))
         n = -(-t.numel() // world)
@@ -85,6 +85,12 @@ def test_a_tensor_split_into_rank_rows_and_joined_again_is_itself_with_the_paddi
         back = torch.full_like(t, float("nan"))
         _rows_to_whole(rows, back)
         assert torch.equal(back, t), (world, numel)
+        for r in range(world):  # rank r's row unwritten (gloo's gather sends its chunk from its partition)
+            unwritten = rows.clone()
+            unwritten[r] = float("nan")
+            back = torch.full_like(t, float("nan"))
+            _rows_to_whole(unwritten, back, (r, rows[r].clone()))
+            assert torch.equal(back, t), (world, numel, r)
 
 
 def _offload_cfg(folder: Path, rank: int, **extra: object) -> dict[str, object]:
