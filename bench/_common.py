@@ -18,6 +18,7 @@ bandwidth probe. Each script keeps what it measures; how it measures on this mac
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -178,6 +179,44 @@ def reset_peak_rss() -> bool:
     """Restart this process's peak RSS (VmHWM) from its current RSS (Linux: write 5 to /proc/self/clear_refs);
     False where that is not allowed. ru_maxrss is not reset."""
     return _write_proc("/proc/self/clear_refs", "5")
+
+
+class GcWatch:
+    """Python's cyclic garbage collections in this process, by generation: `settle()`, called just before the
+    timed steps, runs one full collection (untimed) and from then on counts each collection and its seconds.
+
+    Why settle: the first full collection after the model is built costs 0.19-0.21 s here (about 400,000
+    objects tracked once transformers is imported) and comes when the process has made ten collections of
+    the middle generation since the last full one; a later full one waits until a quarter as many objects
+    again have lived that long (in 30 steps of the training bench after one, tiermem's defaults made none).
+    A process whose steps make more young collections (the defaults: 21 in 12 steps, plain PyTorch's loop 2)
+    meets that count sooner: it fell in the 6th step for the defaults, inside the timed steps, and after
+    them for plain PyTorch. Collected before the timed steps, it falls in none; `report()` says what the
+    timed steps still paid."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._began = 0.0
+        self._on = False
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._on:
+            g = info["generation"]
+            self.counts[g] += 1
+            self.seconds[g] += time.perf_counter() - self._began
+
+    def settle(self) -> None:
+        """One full collection now, not counted; counting starts."""
+        self._on = False
+        gc.collect()
+        self._on = True
+
+    def report(self) -> dict[str, Any]:
+        return {"collections_by_generation": list(self.counts), "seconds_by_generation": list(self.seconds)}
 
 
 def drop_page_cache() -> bool:

@@ -44,12 +44,14 @@ seed, in host memory, and sees the same batches in the same order. Variants:
 
 Every variant runs in its own subprocess, once per round; the order rotates from round to round. In its
 subprocess a variant builds the model and its optimizer (untimed), runs --warmup untimed steps and then
---steps timed steps. A step is zero_grad, forward, backward and the optimizer step; the optimizer step is
-also timed on its own. Before each subprocess starts, the script waits (up to --quiet-wait seconds) for
-other processes to leave the CPUs idle, and each step records how much CPU other processes took meanwhile
-(this machine may be shared, and with two cores one busy neighbour slows PyTorch's two threads a lot). A
-process during whose timed steps other processes kept --quiet-cores or more busy on average is run again, up
-to --retries times; the last attempt counts, and the discarded ones are kept in the JSON.
+--steps timed steps, with one full collection of Python's garbage collector between them, untimed (see
+GcWatch in bench/_common.py; the timed steps' collections are in the JSON). A step is zero_grad, forward,
+backward and the optimizer step; the optimizer step is also timed on its own. Before each subprocess starts,
+the script waits (up to --quiet-wait seconds) for other processes to leave the CPUs idle, and each step
+records how much CPU other processes took meanwhile (this machine may be shared, and with two cores one busy
+neighbour slows PyTorch's two threads a lot). A process during whose timed steps other processes kept
+--quiet-cores or more busy on average is run again, up to --retries times; the last attempt counts, and the
+discarded ones are kept in the JSON.
 
 Each round begins with `python3 -m tiermem bench io --engine io_uring --size --io-size --runs 3` in the swap
 directory: its read and write GB/s are the engine bandwidth the I/O goal uses. Bytes moved per step are
@@ -102,6 +104,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from _common import (  # bench/ is on sys.path when run as a script
+    GcWatch,
     check_variants,
     cpu_busy_seconds,
     describe_system,
@@ -325,12 +328,15 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["peak_reset"] = reset_peak_rss()
 
     samples: list[dict[str, Any]] = []
+    gcw = GcWatch()  # settled before the first timed step (see GcWatch)
     load = fio_load(spec) if v.key == "plain_io" else None
     try:
         if v.key in TRAINER_LOOP:
-            samples = trainer_steps(spec, model, opt0 if tm is not None else opt, batches, tm)
+            samples = trainer_steps(spec, model, opt0 if tm is not None else opt, batches, tm, gcw)
         for i in range(0 if v.key in TRAINER_LOOP else spec["warmup"] + spec["steps"]):
             micro = batches[i * acc : (i + 1) * acc]
+            if i == spec["warmup"]:
+                gcw.settle()
             if tm is not None:
                 tm.reset_stats()
             busy0, io0 = cpu_busy_seconds(), proc_io()
@@ -375,6 +381,7 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
             if tm is not None:
                 sample.update(tiermem_sample(tm))
             samples.append(sample)
+        out["gc_timed_steps"] = gcw.report()
         out["steps_peak_rss_bytes"] = status_bytes("VmHWM") if out["peak_reset"] else None
         out["peak_rss_bytes"] = max(out["setup_peak_rss_bytes"], peak_rss_bytes())
         out["rss_end_bytes"] = status_bytes("VmRSS")
@@ -404,7 +411,8 @@ def tiermem_sample(tm: Any) -> dict[str, Any]:
     return out
 
 
-def trainer_steps(spec: dict[str, Any], model: Any, opt: Any, batches: list[Any], tm: Any) -> list[dict[str, Any]]:
+def trainer_steps(spec: dict[str, Any], model: Any, opt: Any, batches: list[Any], tm: Any,
+                  gcw: GcWatch) -> list[dict[str, Any]]:
     """The variant's steps run by HF Trainer (`Trainer(model, args, optimizers=(opt, None)).train()`), as a user
     of it trains: its own loop, accumulation, clipping (--clip as max_grad_norm; none for None), a constant
     learning rate (the script's AdamW's), the script's batches in their order (its sampler made sequential),
@@ -433,6 +441,8 @@ def trainer_steps(spec: dict[str, Any], model: Any, opt: Any, batches: list[Any]
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if len(samples) == spec["warmup"]:
+                gcw.settle()
             if tm is not None:
                 tm.reset_stats()
             self.busy0, self.io0 = cpu_busy_seconds(), proc_io()

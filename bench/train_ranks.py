@@ -26,12 +26,14 @@ labels=ids).loss. Variants:
   deepspeed deepspeed.initialize with ZeRO stage 3, offload_param and offload_optimizer on NVMe
             (--swap-dir/deepspeed), DS_ACCELERATOR=cpu, train_offload.py's config otherwise
 
-Each rank builds the model from the same seed (untimed), runs --warmup untimed steps and --steps timed
-steps; a step is zero_grad, forward, backward and the optimizer step (DeepSpeed: engine(ids),
-engine.backward, engine.step). A step's time is the slowest rank's (the ranks meet in every collective).
-Peak RSS per rank is reported for set-up (building the model in memory and entering) and, after resetting
-the peak (/proc/self/clear_refs 5), for the steps alone. tiermem's stats() give each rank's bytes read and
-written per step, bytes all-gathered and reduce-scattered, and the time spent waiting for gathers.
+Each rank builds the model from the same seed (untimed), runs --warmup untimed steps and --steps timed steps,
+with one full collection of Python's garbage collector between them (untimed; see GcWatch in
+bench/_common.py; the timed steps' collections are in the JSON); a step is zero_grad, forward, backward and
+the optimizer step (DeepSpeed: engine(ids), engine.backward, engine.step). A step's time is the slowest
+rank's (the ranks meet in every collective). Peak RSS per rank is reported for set-up (building the model in
+memory and entering) and, after resetting the peak (/proc/self/clear_refs 5), for the steps alone. tiermem's
+stats() give each rank's bytes read and written per step, bytes all-gathered and reduce-scattered, and the
+time spent waiting for gathers.
 
 Goals (issue 13): tiermem's step <= 0.5 x DeepSpeed's, and every rank's peak RSS during the steps <= its
 host budget + 0.5 GB. The report ends with a projection, on paper, of tiermem's step time for N ranks on N
@@ -58,6 +60,7 @@ import time
 from typing import Any
 
 from _common import (  # bench/ is on sys.path when run as a script
+    GcWatch,
     check_variants,
     describe_system,
     drop_page_cache,
@@ -138,8 +141,11 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["setup_peak_rss_bytes"] = peak_rss_bytes()
     out["peak_reset"] = reset_peak_rss()
     samples = []
+    gcw = GcWatch()  # settled before the first timed step (see GcWatch)
     try:
         for i, ids in enumerate(batches):
+            if i == spec["warmup"]:
+                gcw.settle()
             if tm is not None:
                 tm.reset_stats()
             dist.barrier()  # every rank starts the step together: its time is the step's, not a wait for others
@@ -160,6 +166,7 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 sample.update({k: st.get(k, 0) for k in TRAFFIC})
                 sample["peak_host_bytes"] = st["peak_bytes"]["host"]
             samples.append(sample)
+        out["gc_timed_steps"] = gcw.report()
         out["steps_peak_rss_bytes"] = status_bytes("VmHWM") if out["peak_reset"] else None
         if spec.get("checkpoint_dir"):
             out["checkpoint"] = checkpoint_round_trip(spec, rank, tm, engine, model, opt)
