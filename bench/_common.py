@@ -185,7 +185,7 @@ class GcWatch:
     """Python's cyclic garbage collections in this process, by generation: `settle()`, called just before the
     timed steps, runs one full collection (untimed) and from then on counts each collection and its seconds.
 
-    Why settle: the first full collection after the model is built costs 0.19-0.21 s here (about 400,000
+    Why settle: the first full collection after the model is built costs 0.18-0.22 s here (about 400,000
     objects tracked once transformers is imported) and comes when the process has made ten collections of
     the middle generation since the last full one; a later full one waits until a quarter as many objects
     again have lived that long (in 30 steps of the training bench after one, tiermem's defaults made none).
