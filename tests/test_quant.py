@@ -299,7 +299,11 @@ def test_a_compressed_weight_gives_its_input_the_gradients_the_expansion_gives(m
             x = torch.randn(3, width, generator=torch.Generator().manual_seed(2), requires_grad=True)
             (use(x, m) ** 2).sum().backward()
             grads.append(x.grad)
-        torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5, msg=name)
+        # the pieces' products round otherwise than the whole one's (MKL on AMD's EPYC: 1.2e-4 at an element of
+        # 9.6 whose sum cancels, of gradients up to 473), so the error is taken against the largest gradient
+        # (one buffer reused for every piece fails in backward, at autograd's check of what it saved)
+        scale = float(grads[1].abs().max())
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
 def test_forwards_that_record_gradients_or_autocast_expand_whole_and_an_interrupt_leaves_no_stand_in(
