@@ -11,10 +11,10 @@ arithmetic on 1/N of the elements, and padding (zero parameters, zero gradients,
 
 Forward and backward gather a unit before it computes: one `all_gather_into_tensor` of the ranks'
 partitions (on gloo one broadcast from each rank, this rank's sent from its partition as it is), then each
-parameter is copied out of the N rows (this rank's chunk out of its partition) into the unit's full layout on
-the device; the full copy goes when the unit is released. Once the order is recorded, the gather of the unit that comes
-next in the pass starts (async) as soon as the current unit is bound, so it runs while that unit computes
-(`Runtime._gather_ahead`). Collectives must be issued in the same order on every rank, so what is gathered
+parameter is copied out of the N rows (this rank's chunk out of its partition) into the unit's full layout
+on the device; the full copy goes when the unit is released. Once the order is recorded, the gather of the
+unit that comes next in the pass starts (async) as soon as the current unit is bound, so it runs while that
+unit computes (`Runtime._gather_ahead`). Collectives must be issued in the same order on every rank, so what is gathered
 ahead depends only on the recorded order, never on timing (whether a read has finished): every rank makes
 the same prediction and the same mistakes. Nothing is gathered ahead across the end of a pass: the
 optimizer step between passes changes the parameters. After a unit's backward its gradients are laid out in N
@@ -224,7 +224,7 @@ class Ranks:
         Where `by_rank`, this rank's own row of `out` is left as it was: `mine` holds it (see `finish_gather`)."""
         import torch.distributed as dist
 
-        if self.by_rank:  # this rank's row of `out` stays unwritten: its chunk is sent from `mine` itself
+        if self.by_rank:
             rows = out.view(self.world, -1)
             work: Any = _AllOf([self._run("gathering a unit", dist.broadcast, mine if r == self.rank else rows[r],
                                           self._global(r), async_op=True) for r in range(self.world)])
@@ -337,8 +337,8 @@ def start_gather(ranks: Ranks, mine: torch.Tensor, chunks: Layout) -> Gathering:
 def finish_gather(ranks: Ranks, g: Gathering, chunks: Layout, full: Layout, out: torch.Tensor) -> None:
     """Wait for `g` and write each tensor whole into `out` (uint8, laid out as `full`), on `g`'s device.
     Where the gather went by rank, this rank's chunks come from `g.mine`, which was sent as it is, not copied
-    into the rows first: each byte of the unit is moved once here (13.5 of the 27 MB a unit at 2 ranks on the
-    training bench that went twice before, mine into its row and the row out)."""
+    into the rows first: each byte of the unit is moved once here (before, this rank's share, half a unit at 2
+    ranks, went twice: into its row and out of it)."""
     ranks.wait(g.work)
     rows2 = g.rows.view(ranks.world, chunks.size)
     skip = ranks.rank if ranks.by_rank else None
