@@ -25,6 +25,11 @@ labels=ids).loss. Variants:
             the context as HF Trainer and accelerate make it (the tiers do DDP's job); not run unless named
   deepspeed deepspeed.initialize with ZeRO stage 3, offload_param and offload_optimizer on NVMe
             (--swap-dir/deepspeed), DS_ACCELERATOR=cpu, train_offload.py's config otherwise
+  fsdp      PyTorch's own ZeRO-3, FSDP2 (torch.distributed.fsdp.fully_shard on each GPT-2 block, then on the
+            model) on a CPU device mesh, everything in memory: each rank holds 1/N of the parameters,
+            gradients and AdamW state and all-gathers each block before it computes, as tiermem does, with
+            nothing on disk. What sharding itself costs against DDP on this machine, the floor for any
+            ZeRO-3 here (its CPUOffloadPolicy changes nothing where the device is the CPU); not run unless named
 
 Each rank builds the model from the same seed (untimed), runs --warmup untimed steps and --steps timed steps,
 with one full collection of Python's garbage collector between them (untimed; see GcWatch in
@@ -79,11 +84,12 @@ from train_offload import ADAMW, INPUT_SEED, build_model, deepspeed_config, fio_
 from tiermem.sizes import format_size, parse_size
 
 DEFAULT_DIR = "/var/tmp/tiermem-ranks-bench"
-VARIANTS = ("ddp", "tiermem", "tiermem_one", "deepspeed", "ddp_io", "tiermem_default", "tiermem_ddp")
+VARIANTS = ("ddp", "tiermem", "tiermem_one", "deepspeed", "ddp_io", "tiermem_default", "tiermem_ddp", "fsdp")
 DEFAULT_VARIANTS = VARIANTS[:4]
 LABELS = {"ddp": "PyTorch DDP, in memory", "tiermem": "tiermem, NVMe tiers", "tiermem_one": "tiermem, one rank",
           "deepspeed": "DeepSpeed ZeRO-3 NVMe", "ddp_io": "DDP beside fio --io-load",
-          "tiermem_default": "tiermem, its defaults", "tiermem_ddp": "tiermem defaults, DDP-wrapped"}
+          "tiermem_default": "tiermem, its defaults", "tiermem_ddp": "tiermem defaults, DDP-wrapped",
+          "fsdp": "PyTorch FSDP2, in memory"}
 DS_GOAL = 0.5  # tiermem's step <= this x DeepSpeed's
 RSS_SLACK = 500 * 10**6  # a rank's peak RSS in the steps <= its host budget + this
 LAUNCH_TIMEOUT_S = 1800
@@ -126,6 +132,9 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["variant"] in ("ddp", "ddp_io"):
             fwd = torch.nn.parallel.DistributedDataParallel(model)
             opt = torch.optim.AdamW(params, **ADAMW)
+        elif spec["variant"] == "fsdp":
+            fwd = fsdp2(model, world)
+            opt = torch.optim.AdamW(model.parameters(), **ADAMW)  # its sharded parameters (DTensors)
         else:
             import tiermem
 
@@ -168,7 +177,7 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
             samples.append(sample)
         out["gc_timed_steps"] = gcw.report()
         out["steps_peak_rss_bytes"] = status_bytes("VmHWM") if out["peak_reset"] else None
-        if spec.get("checkpoint_dir"):
+        if spec.get("checkpoint_dir") and spec["variant"] != "fsdp":  # its DTensors need torch.distributed.checkpoint
             out["checkpoint"] = checkpoint_round_trip(spec, rank, tm, engine, model, opt)
     finally:
         if ctx is not None:
@@ -176,6 +185,18 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["samples"] = samples
     dist.barrier()
     return out
+
+
+def fsdp2(model: Any, world: int) -> Any:
+    """`model` sharded by FSDP2 over `world` CPU ranks, each GPT-2 block a unit, the rest one more (as tiermem
+    wraps it); parameters are resharded after forward (ZeRO-3) and gathered again in backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def checkpoint_round_trip(spec: dict[str, Any], rank: int, tm: Any, engine: Any, model: Any,
@@ -358,14 +379,15 @@ def summarize(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict
     return out
 
 
-def compare_losses(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """tiermem's losses against DDP's of the same round, rank by rank (not bit-exact: DDP all-reduces in
+def compare_losses(runs: list[dict[str, Any]],
+                   variants: tuple[str, ...] = ("tiermem", "tiermem_default", "tiermem_ddp")) -> dict[str, Any] | None:
+    """`variants`' losses against DDP's of the same round, rank by rank (not bit-exact: DDP all-reduces in
     buckets, tiermem reduce-scatters per unit, so the gradients' sums round differently)."""
     by = {(r["variant"], r["round"]): r for r in runs if "error" not in r}
     diffs = []
     for (v, rnd), run in by.items():
         ref = by.get(("ddp", rnd))
-        if v not in ("tiermem", "tiermem_default", "tiermem_ddp") or ref is None:
+        if v not in variants or ref is None:
             continue
         for a, b in zip(run["ranks"], ref["ranks"], strict=True):
             diffs += [abs(x["loss"] - y["loss"]) for x, y in zip(a["samples"], b["samples"], strict=True)]
@@ -410,6 +432,11 @@ def goals(summary: dict[str, dict[str, Any]], budget: int) -> dict[str, Any]:
     if "seconds_mean" in default and "seconds_mean" in ds:
         ratio = default["seconds_mean"] / ds["seconds_mean"]
         out["default_vs_deepspeed"] = {"held": ratio <= DS_GOAL, "ratio": ratio, "goal": DS_GOAL}
+    for name in ("tiermem", "tiermem_default", "fsdp"):  # measurements, not the issue's goals
+        for base in ("ddp", "fsdp"):
+            a, b = summary.get(name, {}), summary.get(base, {})
+            if name != base and "seconds_mean" in a and "seconds_mean" in b:
+                out.setdefault("ratios", {})[f"{name}/{base}"] = a["seconds_mean"] / b["seconds_mean"]
     if "seconds_mean" in tm and "seconds_mean" in floor:  # a measurement, not one of the issue's goals
         out["vs_ddp_io"] = {"ratio": tm["seconds_mean"] / floor["seconds_mean"],
                             "fio_bytes_per_step": floor.get("io_load_bytes_per_step"),
@@ -425,7 +452,7 @@ def goals(summary: dict[str, dict[str, Any]], budget: int) -> dict[str, Any]:
 
 
 def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], losses: dict[str, Any] | None,
-                 projection: list[dict[str, Any]] | None, ranks: int) -> None:
+                 fsdp_losses: dict[str, Any] | None, projection: list[dict[str, Any]] | None, ranks: int) -> None:
     print(f"\n{ranks} ranks | variant | s/step (mean ± sd) | per round | peak RSS per rank, steps GB | set-up GB")
     for v, e in summary.items():
         if "error" in e:
@@ -447,13 +474,15 @@ def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], lo
               f"{mb['reduced_bytes']:.0f} MB in {tm['reduce_seconds_per_rank_mean']:.3f} s, stalled "
               f"{tm['stall_seconds_per_rank_mean']:.3f} s; host tier peak {format_size(tm['peak_host_bytes_max'])}")
         print(f"  plan (rank 0): {tm['plan']}")
-    if losses:
-        print(f"losses, tiermem against DDP: max |diff| {losses['max_abs_diff']:.2e} over {losses['steps']} "
-              "rank-steps")
+    for who, diff in (("tiermem", losses), ("FSDP2", fsdp_losses)):
+        if diff:
+            print(f"losses, {who} against DDP: max |diff| {diff['max_abs_diff']:.2e} over {diff['steps']} rank-steps")
     for name, g in verdict.items():
         if name in ("vs_deepspeed", "default_vs_deepspeed"):
             who = "tiermem's defaults" if name == "default_vs_deepspeed" else "tiermem"
             print(f"goal {who} <= {g['goal']} x DeepSpeed: {'held' if g['held'] else 'NOT held'} ({g['ratio']:.2f}x)")
+        elif name == "ratios":
+            print("step time ratios: " + ", ".join(f"{k} {r:.2f}x" for k, r in g.items()))
         elif name == "vs_ddp_io":
             fio = g["fio_bytes_per_step"]
             print(f"tiermem against DDP beside fio: {g['ratio']:.2f}x (fio {fio / 1e9 if fio else float('nan'):.2f} GB "
@@ -556,10 +585,10 @@ def main(argv: list[str]) -> int:
     shutil.rmtree(base["io_dir"], ignore_errors=True)  # ddp_io's fio files
     summary = summarize(runs, variants)
     verdict = goals(summary, args.host_budget_bytes)
-    losses = compare_losses(runs)
+    losses, fsdp_losses = compare_losses(runs), compare_losses(runs, ("fsdp",))
     projection = project(summary["tiermem"], bandwidth, args.ranks) if "seconds_mean" in summary.get(
         "tiermem", {}) else None
-    print_report(summary, verdict, losses, projection, args.ranks)
+    print_report(summary, verdict, losses, fsdp_losses, projection, args.ranks)
     checkpoints = checkpoint_summary(runs, variants) if args.checkpoint else None
     for v, c in (checkpoints or {}).items():
         if "error" in c:
@@ -572,7 +601,8 @@ def main(argv: list[str]) -> int:
                   + (f", read per rank {read} MB" if read else ""))
     if args.json:
         write_json(args.json, {"system": system, "versions": versions, "args": vars(args), "bandwidth": bandwidth,
-                               "summary": summary, "goals": verdict, "losses": losses, "projection": projection,
+                               "summary": summary, "goals": verdict, "losses": losses, "fsdp_losses": fsdp_losses,
+                               "projection": projection,
                                "checkpoints": checkpoints,
                                "runs": runs, "seconds": time.perf_counter() - t_start,
                                "command": "python3 bench/train_ranks.py " + " ".join(argv)})
