@@ -266,9 +266,10 @@ class Ranks:
             self._wait(work, "reduce-scattering gradients")
         finally:
             self.traffic.reduce_seconds += time.perf_counter() - t0
-        if self.by_rank:
-            out.copy_(rows.view(self.world, -1)[self.rank])
-        out.div_(self.world)
+        if self.by_rank:  # this rank's row of the sums, divided on its way out: one pass over it
+            torch.div(rows.view(self.world, -1)[self.rank], self.world, out=out)
+        else:
+            out.div_(self.world)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
