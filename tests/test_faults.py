@@ -28,6 +28,16 @@ from tiermem.swap import TensorSwapper
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _pythons_own_sigint_handler() -> Any:
+    """The tests here raise SIGINT as a user's Ctrl-C and expect Python's KeyboardInterrupt, whatever the
+    process inherited: a shell that starts pytest in the background (`cmd &` without job control, nohup
+    under one) makes it ignore SIGINT, and with that these tests failed for what they could not change."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def cfg(tmp_path, **extra: Any) -> dict[str, Any]:
     out = {"device": "cpu", "params.tier": "nvme", "nvme.paths": [str(tmp_path / "swap")],
            "memory.host_budget": "512KiB", "wrap.min_unit_bytes": "16KiB", "io.block_size": "256KiB"}
