@@ -28,8 +28,8 @@ labels=ids).loss. Variants:
   fsdp      PyTorch's own ZeRO-3, FSDP2 (torch.distributed.fsdp.fully_shard on each GPT-2 block, then on the
             model) on a CPU device mesh, everything in memory: each rank holds 1/N of the parameters,
             gradients and AdamW state and all-gathers each block before it computes, as tiermem does, with
-            nothing on disk. What sharding itself costs against DDP on this machine, the floor for any
-            ZeRO-3 here (its CPUOffloadPolicy changes nothing where the device is the CPU); not run unless named
+            nothing on disk: what PyTorch's own sharding costs against DDP on this machine (its
+            CPUOffloadPolicy changes nothing where the device is the CPU); not run unless named
 
 Each rank builds the model from the same seed (untimed), runs --warmup untimed steps and --steps timed steps,
 with one full collection of Python's garbage collector between them (untimed; see GcWatch in

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU a
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _pythons_own_sigint_handler() -> Any:
+def _pythons_own_sigint_handler() -> Iterator[None]:
     """The tests here raise SIGINT as a user's Ctrl-C and expect Python's KeyboardInterrupt, whatever the
     process inherited: a shell that starts pytest in the background (`cmd &` without job control, nohup
     under one) makes it ignore SIGINT, and with that these tests failed for what they could not change."""
