@@ -114,6 +114,12 @@ class Ranks:
     def sharded(self) -> bool:
         return self.world > 1
 
+    @property
+    def rows_received(self) -> int:
+        """Rows a gather of this group receives into: every rank's, or where `by_rank` every other rank's (this
+        rank's chunks are read from its partition as they are)."""
+        return self.world - 1 if self.by_rank else self.world
+
     def chunk(self, numel: int) -> int:
         """Elements of each rank's chunk of a tensor of `numel` elements."""
         return -(-numel // self.world)
@@ -220,18 +226,19 @@ class Ranks:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
     def start_all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> Any:
-        """Start gathering every rank's `mine` into `out` (rank 0's first); returns the work to `wait` on.
-        Where `by_rank`, this rank's own row of `out` is left as it was: `mine` holds it (see `finish_gather`)."""
+        """Start gathering every rank's `mine` into `out` (`rows_received` rows, in rank order); returns the work
+        to `wait` on. Where `by_rank`, `out` has no row for this rank: `mine` is sent as it is (see `finish_gather`)."""
         import torch.distributed as dist
 
         if self.by_rank:
-            rows = out.view(self.world, -1)
-            work: Any = _AllOf([self._run("gathering a unit", dist.broadcast, mine if r == self.rank else rows[r],
+            rows = out.view(self.world - 1, -1)
+            work: Any = _AllOf([self._run("gathering a unit", dist.broadcast,
+                                          mine if r == self.rank else rows[r - (r > self.rank)],
                                           self._global(r), async_op=True) for r in range(self.world)])
         else:
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
             work = self._run("gathering a unit", gather, out, mine, async_op=True)
-        self.traffic.gathered_bytes += out.numel() * out.element_size() - mine.numel() * mine.element_size()
+        self.traffic.gathered_bytes += (self.world - 1) * mine.numel() * mine.element_size()
         return work
 
     def wait(self, work: Any, what: str = "gathering a unit") -> None:
@@ -321,8 +328,8 @@ def chunk_specs(ranks: Ranks, specs: Sequence[tuple[str, torch.Tensor]]) -> list
 
 @dataclass
 class Gathering:
-    """An all-gather of one unit in flight: the rows it fills, one per rank, the work to wait on, and this
-    rank's partition (`mine`), which must stay as it is until `finish_gather` returns."""
+    """An all-gather of one unit in flight: the rows it fills (`Ranks.rows_received`), the work to wait on, and
+    this rank's partition (`mine`), which must stay as it is until `finish_gather` returns."""
 
     rows: torch.Tensor
     work: Any
@@ -331,17 +338,17 @@ class Gathering:
 
 def start_gather(ranks: Ranks, mine: torch.Tensor, chunks: Layout) -> Gathering:
     """Start all-gathering the ranks' partitions (`mine`: this rank's, laid out as `chunks`)."""
-    rows = torch.empty(ranks.world * chunks.size, dtype=torch.uint8, device=mine.device)
+    rows = torch.empty(ranks.rows_received * chunks.size, dtype=torch.uint8, device=mine.device)
     return Gathering(rows, ranks.start_all_gather(rows, mine[: chunks.size]), mine)
 
 
 def finish_gather(ranks: Ranks, g: Gathering, chunks: Layout, full: Layout, out: torch.Tensor) -> None:
     """Wait for `g` and write each tensor whole into `out` (uint8, laid out as `full`), on `g`'s device.
-    Where the gather went by rank, this rank's chunks come from `g.mine`, which was sent as it is, not copied
-    into the rows first: each byte of the unit is moved once here (before, this rank's share, half a unit at 2
-    ranks, went twice: into its row and out of it)."""
+    Where the gather went by rank, this rank's chunks come from `g.mine`, which was sent as it is, neither
+    copied into the rows nor given a row there: each byte of the unit is moved once here (before, this rank's
+    share, half a unit at 2 ranks, went twice: into its row and out of it)."""
     ranks.wait(g.work)
-    rows2 = g.rows.view(ranks.world, chunks.size)
+    rows2 = g.rows.view(ranks.rows_received, chunks.size)
     skip = ranks.rank if ranks.by_rank else None
     for c, f in zip(chunks.slots, full.slots, strict=True):
         _rows_to_whole(rows2[:, c.offset : c.offset + c.nbytes], out[f.offset : f.offset + f.nbytes],
@@ -351,17 +358,18 @@ def finish_gather(ranks: Ranks, g: Gathering, chunks: Layout, full: Layout, out:
 def _rows_to_whole(rows: torch.Tensor, whole: torch.Tensor, own: tuple[int, torch.Tensor] | None = None) -> None:
     """Copy `rows` (rank 0's chunk of a tensor, rank 1's, ...; the last ones padded) into the flat `whole`
     in one strided copy, not through a contiguous temporary: the bytes are moved once. With `own` = (r,
-    chunk), row r of `rows` is not read: `chunk` stands for it, copied on its own and the other rows around it."""
+    chunk), `rows` holds every rank's row but r's, in rank order, and `chunk` is rank r's: it is copied on
+    its own, the rows before and after it in one strided copy each."""
     n = rows.shape[1]
     full = whole.numel() // n if n else 0  # ranks whose chunk lies whole inside the tensor
-    spans = [(0, full)] if own is None else [(0, min(own[0], full)), (min(own[0] + 1, full), full)]
-    for a, b in spans:
+    r = rows.shape[0] if own is None else own[0]  # ranks after r sit one row up in `rows`
+    for a, b in ((0, min(r, full)), (min(r + 1, full), full)):
         if b > a:
-            whole[a * n : b * n].view(b - a, n).copy_(rows[a:b])
-    if own is not None and own[0] < full:
-        whole[own[0] * n : (own[0] + 1) * n].copy_(own[1])
+            whole[a * n : b * n].view(b - a, n).copy_(rows[a - (a > r) : b - (b > r)])
+    if own is not None and r < full:
+        whole[r * n : (r + 1) * n].copy_(own[1])
     if full * n < whole.numel():
-        tail = own[1] if own is not None and own[0] == full else rows[full]
+        tail = own[1] if own is not None and r == full else rows[full - (full > r)]
         whole[full * n :].copy_(tail[: whole.numel() - full * n])
 
 

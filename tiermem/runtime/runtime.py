@@ -567,7 +567,7 @@ class Runtime:
     def _start_gather(self, unit: Unit) -> Gathering:
         """Start the all-gather of `unit`, whose partition is acquired on the device (released on failure)."""
         try:
-            self._charge(unit, unit.ranks.world * unit.partition.size)  # the rows the gather fills
+            self._charge(unit, unit.ranks.rows_received * unit.partition.size)  # the rows the gather fills
             return unit.start_gather(unit.partition.flat(Tier.DEVICE))
         except BaseException:
             self._uncharge(unit)
