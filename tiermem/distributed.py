@@ -10,24 +10,24 @@ and optimizer-state partitions are laid out from the same chunks: the update is 
 arithmetic on 1/N of the elements, and padding (zero parameters, zero gradients, zero state) stays zero.
 
 Forward and backward gather a unit before it computes: one `all_gather_into_tensor` of the ranks'
-partitions (on gloo one broadcast from each rank, this rank's sent from its partition as it is), then each
-parameter is copied out of the N rows (this rank's chunk out of its partition) into the unit's full layout
-on the device; the full copy goes when the unit is released. Once the order is recorded, the gather of the
-unit that comes next in the pass starts (async) as soon as the current unit is bound, so it runs while that
-unit computes (`Runtime._gather_ahead`). Collectives must be issued in the same order on every rank, so what is gathered
-ahead depends only on the recorded order, never on timing (whether a read has finished): every rank makes
-the same prediction and the same mistakes. Nothing is gathered ahead across the end of a pass: the
-optimizer step between passes changes the parameters. After a unit's backward its gradients are laid out in N
-rows the same way and `reduce_scatter_tensor` leaves each rank the sum of its chunks, divided by N (the
-average DDP takes); on the CPU, for a unit with nothing accumulated yet, straight into its accumulators (see
-[Note: accumulators handed out unzeroed] in tiermem/optim/optimizer.py); a later micro-batch's are added
-to them whole, every rank's chunk holding the other ranks' sums too. A rank may give gradients to other
-parameters of a unit than another rank does (a mixture of experts routing each rank's batch elsewhere): as
-DDP with find_unused_parameters counts the others' as zeros in the average, a parameter has a gradient when
-any rank gave it one, so before clipping, unscaling or the step the ranks agree on those with one all-reduce
-of a flag per parameter (`TieredOptimizer._agree_grads`), and all update the same ones. Every rank must
-still run each unit's backward (its reduce-scatter is a collective). The gradient norm for clipping and the
-float16 overflow check are all-reduced.
+partitions (on gloo one broadcast from each rank, this rank's sent from its partition as it is and given no
+row), then each parameter is copied out of the rows (this rank's chunk out of its partition) into the
+unit's full layout on the device; the full copy goes when the unit is released. Once the order is recorded,
+the gather of the unit that comes next in the pass starts (async) as soon as the current unit is bound, so
+it runs while that unit computes (`Runtime._gather_ahead`). Collectives must be issued in the same order on
+every rank, so what is gathered ahead depends only on the recorded order, never on timing (whether a read
+has finished): every rank makes the same prediction and the same mistakes. Nothing is gathered ahead across
+the end of a pass: the optimizer step between passes changes the parameters. After a unit's backward its
+gradients are laid out in N rows the same way and `reduce_scatter_tensor` leaves each rank the sum of its
+chunks, divided by N (the average DDP takes); on the CPU, for a unit with nothing accumulated yet, straight
+into its accumulators (see [Note: accumulators handed out unzeroed] in tiermem/optim/optimizer.py); a later
+micro-batch's are added to them whole, every rank's chunk holding the other ranks' sums too. A rank may
+give gradients to other parameters of a unit than another rank does (a mixture of experts routing each
+rank's batch elsewhere): as DDP with find_unused_parameters counts the others' as zeros in the average, a
+parameter has a gradient when any rank gave it one, so before clipping, unscaling or the step the ranks
+agree on those with one all-reduce of a flag per parameter (`TieredOptimizer._agree_grads`), and all update
+the same ones. Every rank must still run each unit's backward (its reduce-scatter is a collective). The
+gradient norm for clipping and the float16 overflow check are all-reduced.
 
 Checkpoints hold whole tensors, so any number of ranks (one included) loads them, each reading its chunks;
 each rank writes its own chunks into the files when all ranks see the folder, else rank 0 writes them
