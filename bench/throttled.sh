@@ -12,6 +12,11 @@ if [ $# -lt 4 ]; then
 fi
 dir=$1 rbps=$2 wbps=$3
 shift 3
+for r in "$rbps" "$wbps"; do
+  case $r in
+    ''|*[!0-9]*) echo "$0: rates are bytes per second, whole numbers (got $r)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$dir"
 src=$(findmnt -n -o SOURCE --target "$dir")
 dev=$(lsblk -n -d -o MAJ:MIN "$src" 2>/dev/null | tr -d ' ' || true)
