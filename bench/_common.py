@@ -18,6 +18,7 @@ bandwidth probe. Each script keeps what it measures; how it measures on this mac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from tiermem.io.bandwidth import system_info
@@ -342,3 +343,55 @@ def rotated(items: Sequence[T], rnd: int) -> list[T]:
 def mean_std(xs: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _read_text(path: str) -> str:
+    """The file's text, or '' where it is not there."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def block_device(path: str) -> str:
+    """major:minor of the disk holding `path`: a partition's disk, since the kernel throttles whole disks."""
+    dev = os.stat(path).st_dev
+    device = f"{os.major(dev)}:{os.minor(dev)}"
+    sysfs = f"/sys/dev/block/{device}"
+    if os.path.exists(os.path.join(sysfs, "partition")):
+        return _read_text(os.path.join(os.path.realpath(sysfs), "..", "dev")).strip() or device
+    return device
+
+
+@contextlib.contextmanager
+def disk_rate_capped(path: str, read: int | None = None, write: int | None = None) -> Iterator[str]:
+    """This process and the children it starts meanwhile in a blkio cgroup whose reads and writes on the disk
+    holding `path` are capped at `read` and `write` bytes a second (None: not capped), through the kernel's
+    block throttle (v1 blkio.throttle.*_bps_device, or v2 io.max); other processes keep the disk as it is.
+    Yields the disk's major:minor. Needs root."""
+    device = block_device(path)
+    v1 = "/sys/fs/cgroup/blkio"
+    if os.path.isdir(v1):
+        root = v1
+        limits = [(f"blkio.throttle.{kind}_bps_device", f"{device} {rate}")
+                  for kind, rate in (("read", read), ("write", write)) if rate is not None]
+    elif "io" in _read_text("/sys/fs/cgroup/cgroup.controllers").split():
+        root = "/sys/fs/cgroup"
+        caps = " ".join(f"{key}={rate}" for key, rate in (("rbps", read), ("wbps", write)) if rate is not None)
+        limits = [("io.max", f"{device} {caps}")] if caps else []
+    else:
+        raise SystemExit("capping a disk's rate needs a blkio cgroup (v1) or the io controller (v2), as root")
+    group = os.path.join(root, f"tiermem-bench-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        for name, line in limits:
+            with open(os.path.join(group, name), "w") as f:
+                f.write(line)
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        yield device
+    finally:
+        with open(os.path.join(root, "cgroup.procs"), "w") as f:  # back where it was made from
+            f.write(str(os.getpid()))
+        os.rmdir(group)

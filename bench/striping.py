@@ -43,13 +43,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
     describe_system,
+    disk_rate_capped,
     package_versions,
     print_system_header,
     rotated,
@@ -101,42 +101,6 @@ def one_round(rnd: int, disk: str, second: str, env: dict[str, str], args: argpa
     return out
 
 
-def _read(path: str) -> str:
-    """The file's text, or '' where it is not there."""
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-@contextlib.contextmanager
-def read_rate_capped(path: str, rate: int) -> Iterator[str]:
-    """This process and its children in a blkio cgroup whose reads from the block device holding `path` are
-    capped at `rate` bytes a second (see [Note: a second drive of a set speed]); yields the device."""
-    dev = os.stat(path).st_dev
-    device = f"{os.major(dev)}:{os.minor(dev)}"
-    v1 = "/sys/fs/cgroup/blkio"
-    if os.path.isdir(v1):
-        root, limit, line = v1, "blkio.throttle.read_bps_device", f"{device} {rate}"
-    elif "io" in _read("/sys/fs/cgroup/cgroup.controllers").split():
-        root, limit, line = "/sys/fs/cgroup", "io.max", f"{device} rbps={rate}"
-    else:
-        raise SystemExit("--second-read-rate needs a blkio cgroup (v1) or the io controller (v2), as root")
-    group = os.path.join(root, f"tiermem-striping-{os.getpid()}")
-    os.mkdir(group)
-    try:
-        with open(os.path.join(group, limit), "w") as f:
-            f.write(line)
-        with open(os.path.join(group, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-        yield device
-    finally:
-        with open(os.path.join(root, "cgroup.procs"), "w") as f:  # back where it was made from
-            f.write(str(os.getpid()))
-        os.rmdir(group)
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--disk", default="/var/tmp/tiermem-striping", help="a directory on the machine's disk")
@@ -165,7 +129,7 @@ def main(argv: list[str]) -> int:
         with contextlib.ExitStack() as stack:
             if args.second_read_rate:
                 rate = parse_size(args.second_read_rate)
-                device = stack.enter_context(read_rate_capped(args.second, rate))
+                device = stack.enter_context(disk_rate_capped(args.second, read=rate))
                 print(f"second drive ({device}) reads capped at {rate / 1e9:.2f} GB/s", flush=True)
             cache = stack.enter_context(tempfile.TemporaryDirectory())
             env = {**os.environ, "XDG_CACHE_HOME": cache}
