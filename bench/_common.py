@@ -258,6 +258,41 @@ def other_cpu_seconds(busy_before: float | None, busy_after: float | None, own_c
     return max(0.0, busy_after - busy_before - own_cpu_seconds)
 
 
+
+# Threads of a process by what they do, from their names (/proc/.../comm): gloo's and NCCL's own threads run
+# the collectives; the rest besides the main thread are I/O (io_uring's kernel workers, DeepSpeed's aio threads,
+# tiermem's completion thread) and helpers.
+_COLLECTIVE_THREADS = ("gloo", "pt_gloo", "pt_nccl", "nccl")
+
+
+def thread_cpu_seconds() -> dict[str, float] | None:
+    """This process's CPU seconds (user + system) so far: `total` (every thread, exited ones included), `main`
+    (the main thread) and `collectives` (the threads torch.distributed's backends run collectives on); or None
+    where /proc cannot be read. The rest of `total` is I/O and helper threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(stat_path: str) -> tuple[str, float]:
+        with open(stat_path, encoding="ascii", errors="replace") as f:
+            text = f.read()
+        name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        return name, (int(rest[11]) + int(rest[12])) / tick  # utime, stime: fields 14 and 15 of stat
+
+    try:
+        out = {"total": cpu("/proc/self/stat")[1], "main": 0.0, "collectives": 0.0}
+        main = os.getpid()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                name, secs = cpu(f"/proc/self/task/{tid}/stat")
+            except (OSError, ValueError):  # the thread exited meanwhile: its time stays in the total
+                continue
+            if int(tid) == main:
+                out["main"] = secs
+            elif name.startswith(_COLLECTIVE_THREADS):
+                out["collectives"] += secs
+    except (OSError, ValueError):
+        return None
+    return out
+
 # -- the quiet gate -----------------------------------------------------------------------------------
 def wait_for_quiet(max_cores: float, limit_s: float, *, window_s: float = 1.0, pause_s: float = 0.0,
                    interrupts: bool = True) -> dict[str, Any]:

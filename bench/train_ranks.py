@@ -67,6 +67,7 @@ from typing import Any
 from _common import (  # bench/ is on sys.path when run as a script
     GcWatch,
     check_variants,
+    cpu_busy_seconds,
     describe_system,
     drop_page_cache,
     engine_bandwidth,
@@ -76,6 +77,7 @@ from _common import (  # bench/ is on sys.path when run as a script
     reset_peak_rss,
     rotated,
     status_bytes,
+    thread_cpu_seconds,
     wait_for_quiet,
     write_json,
 )
@@ -151,10 +153,13 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["peak_reset"] = reset_peak_rss()
     samples = []
     gcw = GcWatch()  # settled before the first timed step (see GcWatch)
+    cpu0: tuple[float, dict[str, float] | None, float | None] | None = None
     try:
         for i, ids in enumerate(batches):
             if i == spec["warmup"]:
                 gcw.settle()
+                dist.barrier()
+                cpu0 = (time.perf_counter(), thread_cpu_seconds(), cpu_busy_seconds())
             if tm is not None:
                 tm.reset_stats()
             dist.barrier()  # every rank starts the step together: its time is the step's, not a wait for others
@@ -176,6 +181,10 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 sample["peak_host_bytes"] = st["peak_bytes"]["host"]
             samples.append(sample)
         out["gc_timed_steps"] = gcw.report()
+        if cpu0 is not None:
+            dist.barrier()
+            out["cpu"] = cpu_split(cpu0, (time.perf_counter(), thread_cpu_seconds(), cpu_busy_seconds()),
+                                   len(batches) - spec["warmup"])
         out["steps_peak_rss_bytes"] = status_bytes("VmHWM") if out["peak_reset"] else None
         if spec.get("checkpoint_dir") and spec["variant"] != "fsdp":  # its DTensors need torch.distributed.checkpoint
             out["checkpoint"] = checkpoint_round_trip(spec, rank, tm, engine, model, opt)
@@ -185,6 +194,23 @@ def rank_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["samples"] = samples
     dist.barrier()
     return out
+
+
+def cpu_split(before: tuple[float, dict[str, float] | None, float | None],
+              after: tuple[float, dict[str, float] | None, float | None], steps: int) -> dict[str, Any] | None:
+    """Where a rank's CPU went in the timed steps (between barriers), per step: its main thread, its
+    collectives' threads, the rest of the process (I/O and helpers), and the whole machine's busy CPU seconds
+    (every process, the other ranks' included) against the cores' seconds in that time."""
+    (t0, own0, busy0), (t1, own1, busy1) = before, after
+    if own0 is None or own1 is None or steps <= 0:
+        return None
+    own = {k: (own1[k] - own0[k]) / steps for k in own0}
+    split: dict[str, Any] = {"main": own["main"], "collectives": own["collectives"],
+                             "rest": own["total"] - own["main"] - own["collectives"], "total": own["total"]}
+    if busy0 is not None and busy1 is not None:
+        split["machine_busy"] = (busy1 - busy0) / steps
+        split["machine_cores"] = (os.cpu_count() or 1) * (t1 - t0) / steps
+    return split
 
 
 def fsdp2(model: Any, world: int) -> Any:
@@ -365,6 +391,14 @@ def summarize(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, dict
             "setup_peak_rss_bytes_max": max(x["setup_peak_rss_bytes"] for x in ranks),
             "setup_seconds_mean": _mean([x["setup_seconds"] for x in ranks]),
         }
+        cpus = [x["cpu"] for x in ranks if x.get("cpu")]
+        if cpus:  # a rank's mean per step; the machine's from rank 0's readings
+            entry["cpu_per_rank_step"] = {k: _mean([c[k] for c in cpus]) for k in ("main", "collectives", "rest",
+                                                                                     "total")}
+            machine = [x["cpu"] for x in ranks if x["rank"] == 0 and "machine_busy" in (x.get("cpu") or {})]
+            if machine:
+                entry["cpu_machine_step"] = {k: _mean([c[k] for c in machine]) for k in ("machine_busy",
+                                                                                          "machine_cores")}
         loads = [r["io_load"] for r in ok if "error" not in r.get("io_load", {"error": None})]
         if loads:  # fio's GB per step: its rates times the step
             entry["io_load_bytes_per_step"] = _mean([(x["read_gbps"] + x["write_gbps"]) * 1e9 for x in loads]) * \
@@ -462,6 +496,14 @@ def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], lo
         print(f"  {LABELS[v]:<24} {e['seconds_mean']:.3f} ± {e['seconds_std']:.3f}  "
               + " ".join(f"{x:.3f}" for x in e["round_means"])
               + f"  {steps_peak / 1e9 if steps_peak else float('nan'):.2f}  {e['setup_peak_rss_bytes_max'] / 1e9:.2f}")
+    cpu = {v: e for v, e in summary.items() if "cpu_per_rank_step" in e}
+    if cpu:
+        print("\nCPU s per rank and step (main thread + collectives' threads + I/O and helpers = the rank's); the "
+              "machine's busy s per step of its cores' s")
+        for v, e in cpu.items():
+            c, m = e["cpu_per_rank_step"], e.get("cpu_machine_step")
+            print(f"  {LABELS[v]:<24} {c['main']:.3f} + {c['collectives']:.3f} + {c['rest']:.3f} = {c['total']:.3f}"
+                  + (f"   machine {m['machine_busy']:.2f} of {m['machine_cores']:.2f}" if m else ""))
     for key in ("tiermem", "tiermem_one", "tiermem_default", "tiermem_ddp"):
         tm = summary.get(key, {})
         if "seconds_mean" not in tm:
