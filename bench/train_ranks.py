@@ -96,7 +96,8 @@ DS_GOAL = 0.5  # tiermem's step <= this x DeepSpeed's
 RSS_SLACK = 500 * 10**6  # a rank's peak RSS in the steps <= its host budget + this
 LAUNCH_TIMEOUT_S = 1800
 TRAFFIC = ("bytes_read", "bytes_written", "gathered_bytes", "gather_wait_seconds", "gathers_ahead", "reduced_bytes",
-           "reduce_seconds", "stall_seconds", "activations_bytes_read", "activations_bytes_written")
+           "reduce_seconds", "stall_seconds", "update_wait_seconds", "activations_bytes_read",
+           "activations_bytes_written")
 
 
 # -- one rank (run by torchrun) ---------------------------------------------------------------------------
@@ -514,7 +515,9 @@ def print_report(summary: dict[str, dict[str, Any]], verdict: dict[str, Any], lo
               f"MB, all-gathered {mb['gathered_bytes']:.0f} MB (waited {tm['gather_wait_seconds_per_rank_mean']:.3f} "
               f"s; {tm['gathers_ahead_per_rank_mean']:.0f} gathers started ahead), reduce-scattered "
               f"{mb['reduced_bytes']:.0f} MB in {tm['reduce_seconds_per_rank_mean']:.3f} s, stalled "
-              f"{tm['stall_seconds_per_rank_mean']:.3f} s; host tier peak {format_size(tm['peak_host_bytes_max'])}")
+              f"{tm['stall_seconds_per_rank_mean']:.3f} s, updates waited "
+              f"{tm['update_wait_seconds_per_rank_mean']:.3f} s; host tier peak "
+              f"{format_size(tm['peak_host_bytes_max'])}")
         print(f"  plan (rank 0): {tm['plan']}")
     for who, diff in (("tiermem", losses), ("FSDP2", fsdp_losses)):
         if diff:

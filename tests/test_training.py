@@ -905,6 +905,37 @@ def test_the_backward_before_a_step_reads_the_next_forwards_first_state_ahead(tm
     assert losses == run_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, accumulate=accumulate)
 
 
+def test_the_last_backward_reads_the_state_of_every_unit_its_window_reaches_in_the_next_pass(tmp_path) -> None:
+    """[Note: the state before step()]: while the backward before a step runs, each unit's entry asks for the
+    states of all the window's units that the next forward updates first, not only the first: a state read
+    ahead at the entry before and evicted since (as room taken by something else would) is asked for again.
+    Here, with prefetch.depth 2, the states of the first two units are evicted as the second unit's backward
+    computes; the first unit's entry reads both again."""
+    model = mlp()
+    with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        **cfg(tmp_path, **{"prefetch.depth": 2})) as tm:
+        sw, opt = tm.swapper, tm.optimizer
+        states = [opt.by_unit[u.index].state for u in tm.units]
+        seen = []  # per step: which states were on their way to host memory as the first unit's backward computed
+
+        def evict(grad: torch.Tensor) -> None:
+            for state in states[:2]:
+                sw.wait_idle(state)
+                sw.evict(state).wait()
+
+        for x, y in batches(3):
+            opt.zero_grad()
+            loss = loss_fn(model, x, y)
+            hooks = [model[2].weight.register_hook(evict),
+                     model[0].weight.register_hook(lambda g: seen.append(
+                         [sw.is_on_the_way(state, Tier.HOST) for state in states[:2]]))]
+            tm.backward(loss)
+            for h in hooks:
+                h.remove()
+            opt.step()
+        assert seen == [[False, False], [True, True], [True, True]]  # none before a step was seen
+
+
 def test_update_waits_are_counted_where_the_updates_run(tmp_path) -> None:
     """`update_wait_seconds` counts the time updates waited for their partitions' reads: none before any update,
     some once a recorded update has read its state back from NVMe at its unit's entry (time that
@@ -931,15 +962,21 @@ def test_update_waits_are_counted_where_the_updates_run(tmp_path) -> None:
         assert tm.stats()["update_wait_seconds"] == 0.0
 
 
-def _record_state_writes(tm: Any, phase: list[str]) -> list[tuple[str, str]]:
-    """(phase[0] at the time, partition name) of every write of an optimizer-state partition from here on."""
+def _updated(st: Any, kind: str) -> Any:
+    """A unit's partition that its update changes: its optimizer state ("state") or its parameters ("params")."""
+    return st.state if kind == "state" else st.unit.partition
+
+
+def _record_state_writes(tm: Any, phase: list[str], kind: str = "state") -> list[tuple[str, str]]:
+    """(phase[0] at the time, partition name) of every write of an optimizer-state partition (or with `kind`
+    "params", of a unit's parameters) from here on."""
     sw = tm.swapper
-    states = {st.state.name for st in tm.optimizer.units if st.state is not None}
+    names = {_updated(st, kind).name for st in tm.optimizer.units if st.state is not None}
     writes: list[tuple[str, str]] = []
     start_write = sw.cache.start_write
 
     def recording(part: Any, **kw: Any) -> Any:
-        if part.name in states:
+        if part.name in names:
             writes.append((phase[0], part.name))
         return start_write(part, **kw)
 
@@ -947,21 +984,24 @@ def _record_state_writes(tm: Any, phase: list[str]) -> list[tuple[str, str]]:
     return writes
 
 
-def test_an_updated_state_stays_in_host_memory_with_room_and_is_written_in_backward(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["state", "params"])
+def test_an_updated_state_stays_in_host_memory_with_room_and_is_written_in_backward(tmp_path, kind) -> None:
     """[Note: updated state written in backward]: with room in the host pool, a state that the forward's lazy
     update changed stays in host memory, dirty. It is written when its unit's backward begins and not read back
     at the next update; once it has stayed from one update to the next it is not written again. Evicted meanwhile
     (as when room is needed), it is written then, read back at its update, and written ahead again in the backward
-    after that. Losses with clipping equal plain PyTorch's throughout."""
+    after that. The unit's parameters, which the update changes too, go the same way. Losses with clipping equal
+    plain PyTorch's throughout."""
     model, ref = mlp(), mlp()
     data = batches(6)
     with tiered_offload(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), **cfg(tmp_path)) as tm:
         sw, opt = tm.swapper, tm.optimizer
-        names = [st.state.name for st in opt.units if st.state is not None]
-        first = opt.units[0].state
+        parts = [_updated(st, kind) for st in opt.units if st.state is not None]
+        names = [p.name for p in parts]
+        first = parts[0]
         assert len(names) > 1
         phase = ["-"]
-        writes = _record_state_writes(tm, phase)
+        writes = _record_state_writes(tm, phase, kind)
         losses, by_step, reads = [], [], []
         for k, (x, y) in enumerate(data):
             opt.zero_grad()
@@ -969,11 +1009,10 @@ def test_an_updated_state_stays_in_host_memory_with_room_and_is_written_in_backw
                 phase[0] = "evicted"
                 sw.wait_idle(first)  # a write-back still in flight would leave it where it is
                 sw.evict(first).wait()  # as a fetch that needs the room would: written now, read at its update
-            loads = {st.state.name: st.state.host_loads for st in opt.units if st.state is not None}
+            loads = {p.name: p.host_loads for p in parts}
             phase[0] = "forward"
             loss = loss_fn(model, x, y)
-            reads.append(sorted(st.state.name for st in opt.units
-                                if st.state is not None and st.state.host_loads != loads[st.state.name]))
+            reads.append(sorted(p.name for p in parts if p.host_loads != loads[p.name]))
             phase[0] = "backward"
             tm.backward(loss)
             phase[0] = "-"
@@ -987,8 +1026,10 @@ def test_an_updated_state_stays_in_host_memory_with_room_and_is_written_in_backw
         assert by_step[2] == []  # stayed from one update to the next: not written again
         assert by_step[3] == [("backward", first.name), ("evicted", first.name)]  # read back, so written ahead
         assert by_step[4] == by_step[5] == []
-        assert reads[0] == [] and reads[3] == [first.name]  # not the first state read: the first forward's
-        assert all(r == [] for r in reads[1:3] + reads[4:])  # updates keep states; none read back unless evicted
+        # the first forward reads the parameters in from NVMe and makes the first states; after it nothing is read
+        # back unless evicted
+        assert reads[0] == ([] if kind == "state" else sorted(names)) and reads[3] == [first.name]
+        assert all(r == [] for r in reads[1:3] + reads[4:])
     assert losses == run_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, clip=0.5,
                                clip_fn=lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c))
 

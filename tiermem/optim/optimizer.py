@@ -50,13 +50,22 @@ is written and freed at once, as before. Asking only for a free piece of one sta
 at its 544 MiB budget kept 3-4 of its 13 units' states a step, in room the next units' reads needed, and its
 steps took 5% longer than before in 4 alternating pairs (the same bytes moved; within this machine's spread).
 With the window counted it keeps none there, as before, and at 1.25 GiB it keeps 10-11 of 13. A state kept so
-is written when its unit's backward begins (`write_back_state`), one unit at a time while backward computes,
+is written when its unit's backward begins (`write_back_updated`), one unit at a time while backward computes,
 and stays cached, clean, for the next step's update if nothing needs the room first. Unless it stayed in host
 memory from the update before to this one: then the room held, it is likely to hold again, and writing it
 would only cost the bandwidth, so it stays dirty. When something needs the room before its next update,
 evicting it writes it then (a read-ahead parks until the write frees the room), and at its next update it
 counts as not having stayed, so in the backward after that it is written ahead again. Every dirty state is
 written by `flush`, checkpoints and exit as before, so nothing depends on when.
+
+The unit's parameters, which the same update changes, go the same way: written as the unit's backward begins
+(the backward reads them, never changes them), cached clean, unless they stayed in host memory from the last
+update to this one. Before, they stayed dirty until something needed their room: at 2 ranks on the training
+bench that was the reads of the next forward's first states after `step()`, which then waited behind six or so
+write-backs of 14 MB each, with the disk idle through the backward just before. Written in backward, with the
+next pass's states read there too ([Note: the state before step()] in tiermem/runtime/runtime.py), the
+updates' waits fell from 68-87 ms a rank and step to 13-20 ms, for 2-4% more bytes written (the parameters of
+units whose room would have held until their next update).
 
 # [Note: accumulators handed out unzeroed]
 With lazy updates a unit's accumulators are discarded once its update is applied, and come back in its next
@@ -218,6 +227,9 @@ class UnitOptimState:
     # host memory (None: written at once), and whether at that update it had stayed there since the one before
     kept_in: int | None = None
     stayed: bool = False
+    # the same for the unit's parameters, which every update leaves dirty in host memory
+    params_kept_in: int | None = None
+    params_stayed: bool = False
 
 
 @dataclass(frozen=True)
@@ -584,13 +596,17 @@ class TieredOptimizer(torch.optim.Optimizer):
         elif st.grads.home is Tier.NVME:
             self.swapper.evict(st.grads)
 
-    def write_back_state(self, unit_index: int) -> None:
-        """Start writing the unit's optimizer state if its last update left it dirty in host memory, unless at
-        that update it had stayed there since the one before; it stays cached (see [Note: updated state
-        written in backward])."""
+    def write_back_updated(self, unit_index: int) -> None:
+        """Start writing the unit's optimizer state if its last update left it dirty in host memory, and its
+        parameters, which that update changed, each unless at that update it had stayed there since the one
+        before; both stay cached (see [Note: updated state written in backward])."""
         st = self.by_unit.get(unit_index)
-        if st is not None and st.state is not None and st.kept_in is not None and not st.stayed:
+        if st is None:
+            return
+        if st.state is not None and st.kept_in is not None and not st.stayed:
             self.swapper.write_back(st.state)
+        if st.params_kept_in is not None and not st.params_stayed:
+            self.swapper.write_back(st.unit.partition)
 
     def pending_parts(self, unit_index: int) -> list[Partition]:
         """The partitions the unit's recorded update needs besides its parameters (to read ahead)."""
@@ -893,6 +909,8 @@ class TieredOptimizer(torch.optim.Optimizer):
                 for part in self._parts(todo[k + 1][0]):
                     self.swapper.prefetch(part, Tier.HOST)
             self._update_unit(st, settings, fqns, done)
+            if st.unit.partition.home is Tier.NVME:
+                st.params_kept_in = st.unit.partition.host_loads
             if give_back:
                 self._give_back_grads(st)
             if st.state is None or st.state.home is not Tier.NVME:
@@ -915,6 +933,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             t0 = time.perf_counter()
             if st.state is not None:
                 st.stayed = st.state.host is not None and st.state.host_loads == st.kept_in
+            own = st.unit.partition
+            st.params_stayed = own.host is not None and own.host_loads == st.params_kept_in
             for part in self._update_order(st):
                 views[part.name] = sw.acquire(part, Tier.HOST)
                 held.append(part)

@@ -158,10 +158,14 @@ class Runtime:
     # for the whole of its state: on the training bench 25-50 ms for `wte+wpe` each step, while the last units of
     # backward had computed with the disk idle. The loop's shape says when a step comes: it follows as many
     # backward passes as the last one did (one; two with 2-step accumulation). In that backward, once the
-    # window reaches past the pass's end, the next pass's first unit has its state read ahead (parked
-    # without room, as any read-ahead), and at the backward's end the window's units have theirs, in order,
-    # as they do once the step is recorded. Only the first while backward runs: the accumulators still to
-    # come need the room, and a state read and evicted before its use would be read twice. Until the update
+    # window reaches past the pass's end, the units it reaches in the next pass have their states read ahead,
+    # in order (parked without room, as any read-ahead), as they do once the step is recorded. Before, only
+    # the first while backward ran, keeping the room for the accumulators still to come; at
+    # 2 ranks that left `h.0`'s state, and `h.1`'s once evicted, to be read after `step()`, behind the
+    # write-backs of the parameters the last updates had left dirty, and the next forward's first updates
+    # waited 68-87 ms a rank and step. The parameters are now written as their unit's backward begins ([Note:
+    # updated state written in backward] in tiermem/optim/optimizer.py), so the room these reads take is
+    # mostly clean copies dropped without a write; the waits fell to 13-20 ms. Until the update
     # is recorded such a state is needed at its unit's next entry, like a recorded one, so reading it evicts
     # only what is needed later, and the parameters the update comes with stay (before, a state read ahead
     # counted as needed by nobody, evicted anything, and `wte+wpe` and `h.0` were read again at once). A
@@ -322,8 +326,8 @@ class Runtime:
         if i not in self._bwd_held:
             self._bwd_held.add(i)
             self.enter(i)
-            if self.optimizer is not None:  # its last update's state, kept in the forward, goes to disk now
-                self.optimizer.write_back_state(i)  # ([Note: updated state written in backward])
+            if self.optimizer is not None:  # its last update's state and parameters go to disk now
+                self.optimizer.write_back_updated(i)  # ([Note: updated state written in backward])
 
     def _make_grad_arriving(self, i: int) -> Any:
         def arriving(grad: torch.Tensor) -> None:
@@ -734,8 +738,6 @@ class Runtime:
     def _prefetch(self, window: list[int], tier: Tier = Tier.DEVICE) -> None:
         self.swapper.forget_parked()  # this round's reads replace what the last one could not start
         coming = self.schedule.next_pass() if self._step_follows() else []  # [Note: the state before step()]
-        if self._in_backward:
-            coming = coming[:1]
         window = self._fitting(window)
         for j in window:
             part = self.units[j].partition
