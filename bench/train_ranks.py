@@ -207,7 +207,8 @@ def cpu_split(before: tuple[float, dict[str, float] | None, float | None],
         return None
     own = {k: (own1[k] - own0[k]) / steps for k in own0}
     split: dict[str, Any] = {"main": own["main"], "collectives": own["collectives"],
-                             "rest": own["total"] - own["main"] - own["collectives"], "total": own["total"]}
+                             # threads are read a tick apart from the process: never below 0
+                             "rest": max(0.0, own["total"] - own["main"] - own["collectives"]), "total": own["total"]}
     if busy0 is not None and busy1 is not None:
         split["machine_busy"] = (busy1 - busy0) / steps
         split["machine_cores"] = (os.cpu_count() or 1) * (t1 - t0) / steps
