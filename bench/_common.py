@@ -258,7 +258,6 @@ def other_cpu_seconds(busy_before: float | None, busy_after: float | None, own_c
     return max(0.0, busy_after - busy_before - own_cpu_seconds)
 
 
-
 # Threads of a process by what they do, from their names (/proc/.../comm): gloo's and NCCL's own threads run
 # the collectives; the rest besides the main thread are I/O (io_uring's kernel workers, DeepSpeed's aio threads,
 # tiermem's completion thread) and helpers.
@@ -292,6 +291,7 @@ def thread_cpu_seconds() -> dict[str, float] | None:
     except (OSError, ValueError):
         return None
     return out
+
 
 # -- the quiet gate -----------------------------------------------------------------------------------
 def wait_for_quiet(max_cores: float, limit_s: float, *, window_s: float = 1.0, pause_s: float = 0.0,
