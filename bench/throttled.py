@@ -37,7 +37,10 @@ def main(argv: list[str]) -> int:
     for key in ("read", "write"):
         value = getattr(args, key)
         if value is not None:
-            rates[key] = parse_size(value, what=f"--{key}")
+            try:
+                rates[key] = parse_size(value, what=f"--{key}")
+            except ValueError as exc:
+                p.error(str(exc))
             if rates[key] < 1 << 20:
                 p.error(f"--{key} {value}: under 1 MiB a second even the command's own start would crawl")
     if not rates:

@@ -61,7 +61,7 @@ written by `flush`, checkpoints and exit as before, so nothing depends on when.
 The unit's parameters, which the same update changes, go the same way: written as the unit's backward begins
 (the backward reads them, never changes them), cached clean, unless they stayed in host memory from the last
 update to this one. Before, they stayed dirty until something needed their room: at 2 ranks on the training
-bench that was the reads of the next forward's first states after `step()`, which then waited behind six or so
+bench that was the reads of the next forward's first states after `step()`, which then waited behind five
 write-backs of 14 MB each, with the disk idle through the backward just before. Written in backward, with the
 next pass's states read there too ([Note: the state before step()] in tiermem/runtime/runtime.py), the
 updates' waits fell from 68-87 ms a rank and step to 13-20 ms, for 2-4% more bytes written (the parameters of
