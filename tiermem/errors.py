@@ -74,6 +74,11 @@ class DeviceMismatchError(TiermemError):
     """A device tensor reached code that takes host memory (or the other way round); a tiermem bug."""
 
 
+class CopyRaceError(DeviceMismatchError):
+    """A host/device copy's source changed before the copy completed (caught by the copying test device's
+    checksums); a tiermem bug."""
+
+
 class CPUAllocatorError(TiermemError):
     """tiermem's CPU allocator could not be built or put in place; raised with `memory.cpu_allocator: tiermem`
     (with `auto`, tiermem logs it and uses PyTorch's allocator)."""

@@ -122,6 +122,7 @@ class Partition:
             return
         if self.device_state is not DeviceState.NONE and self.device_data is None:
             raise StateError(f"partition {self.name!r}: its host buffer is its device copy; drop that first")
+        self.wait_copy_from_host()
         pool.free(self.host)
         ledger.sub("host", self.size, arena=self.arena)
         self.host = None
@@ -144,10 +145,17 @@ class Partition:
             raise StateError(f"partition {self.name!r} is {self.state.value} with users or transfers; it cannot move")
         old = self.host
         assert old is not None  # movable
+        self.wait_copy_from_host()
         buf.numpy()[: old.nbytes] = old.numpy()
         self.host = buf
         self._views.pop("host", None)
         return old
+
+    def wait_copy_from_host(self) -> None:
+        """Block until the last copy to the device, which reads the host buffer, has landed: a buffer handed
+        back to the pool before then is refilled under the copy (see [Note: device copies])."""
+        if self.ready_event is not None and self.device_data is not None:
+            self.ready_event.synchronize()  # type: ignore[attr-defined]
 
     def mark_dirty(self, end: int | None = None) -> None:
         """The host copy changed in its first `end` bytes (default: anywhere); only NVMe partitions have a

@@ -231,11 +231,33 @@ class TensorSwapper:
         """Cap the device at what stays there for good, plus two units in use, the window and `gathered` (units
         gathered whole from several ranks, or expanded from compressed storage), when memory.device_budget is
         null (see [Note: device budget])."""
-        if self.config.memory.device_budget is not None:
+        if self.config.memory.device_budget is None:
+            with self._lock:
+                fixed = sum(p.size for p in self.partitions.values() if p.home is Tier.DEVICE)
+                self.device_cap = fixed + 2 * largest_unit + window_bytes + gathered
+        self._check_device_free()
+
+    def _check_device_free(self) -> None:
+        """Raise BudgetError, naming the setting, when the device cap is more than the device has free (past
+        what the partitions placed there hold already): else it would fail mid-run, out of device memory."""
+        free = self.mover.free_bytes()
+        cap = self.device_cap
+        if free is None or cap is None:
             return
-        with self._lock:
-            fixed = sum(p.size for p in self.partitions.values() if p.home is Tier.DEVICE)
-            self.device_cap = fixed + 2 * largest_unit + window_bytes + gathered
+        held = self.ledger.now("device")
+        if cap - held <= free:
+            return
+        if self.config.memory.device_budget is not None:
+            what = f"memory.device_budget ({format_size(cap)})"
+            fix = f"set memory.device_budget to at most {format_size(free + held)}"
+        else:
+            what = (f"the device working set derived from the prefetch settings ({format_size(cap)}: two units in "
+                    "use, the prefetch window and the units gathered or expanded whole)")
+            fix = (f"set memory.device_budget to at most {format_size(free + held)} (it then caps the window), "
+                   "lower prefetch.depth or prefetch.max_bytes, or use smaller units (wrap.classes)")
+        raise BudgetError(f"{what} is more than {self.device} has free ({format_size(free)}"
+                          + (f" besides the {format_size(held)} already placed there" if held else "")
+                          + f"); {fix}, or free device memory held elsewhere in this process")
 
     # -- partitions ---------------------------------------------------------------------------------
     def add(self, name: str, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

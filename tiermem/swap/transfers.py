@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tiermem.device import copy_device_empty, copying_device_state
+from tiermem.device import CopyStream, copy_device_empty, copying_device_state
 
 
 class DeviceMover:
@@ -47,8 +47,16 @@ class DeviceMover:
         """`t` (a small resident tensor, e.g. a buffer) copied to the device; itself on the CPU device."""
         return t
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` is in this device's memory (on the CPU device: any CPU tensor)."""
+        return t.device.type == "cpu"
+
     def use_on_compute(self, dev: torch.Tensor, event: object | None) -> None:
         """Order the compute stream after the copy that made `dev`, and keep its memory until compute is done."""
+
+    def free_bytes(self) -> int | None:
+        """Device memory free now (None: no separate device memory, or no limit known)."""
+        return None
 
     @staticmethod
     def done(event: object | None) -> bool:
@@ -78,6 +86,9 @@ class CudaMover(DeviceMover):
     def tensor_to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.device == self.device
+
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         with torch.cuda.stream(self._stream):
             dev = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
@@ -103,6 +114,9 @@ class CudaMover(DeviceMover):
             event.record(self._stream)
         return event
 
+    def free_bytes(self) -> int | None:
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
     def use_on_compute(self, dev: torch.Tensor, event: object | None) -> None:
         compute = torch.cuda.current_stream(self.device)
         if event is not None:
@@ -113,21 +127,15 @@ class CudaMover(DeviceMover):
         self._stream.synchronize()
 
 
-class _CopyDone:
-    """The copying device's event: its copies are synchronous, so it is always done; returned so that the
-    code waiting on CUDA events runs on it too."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
 class CopyingMover(DeviceMover):
-    """Computes on the CPU but keeps the device tier in separate, tracked tensors."""
+    """Computes on the CPU but keeps the device tier in separate, tracked tensors, copied to and from on a copy
+    stream that completes later (see [Note: as strict as a GPU] in tiermem/device.py)."""
 
     has_own_memory = True
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._stream = CopyStream("mover")  # the side stream's stand-in
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return copy_device_empty(nbytes)
@@ -135,21 +143,30 @@ class CopyingMover(DeviceMover):
     def tensor_to_device(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         dev = self.empty(flat.numel())
-        dev.copy_(flat)
+        dev.copy_(flat)  # synchronous, as `Tensor.to(device)` is for the host
         return dev.view(t.dtype).view(t.shape)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return copying_device_state().holds(t)
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         dev = self.empty(host.numel())
-        dev.copy_(host)
-        return dev, _CopyDone()
+        return dev, self._stream.copy(dev, host, "host to device")
 
     def to_host(self, dev: torch.Tensor, host: torch.Tensor) -> object | None:
-        host.copy_(dev)
-        return _CopyDone()
+        return self._stream.copy(host, dev, "device to host")
 
     def to_device_into(self, host: torch.Tensor, dev: torch.Tensor) -> object | None:
-        dev.copy_(host)
-        return _CopyDone()
+        return self._stream.copy(dev, host, "host to device")
+
+    def use_on_compute(self, dev: torch.Tensor, event: object | None) -> None:
+        self.synchronize(event)  # the compute stream is the calling thread here
+
+    def free_bytes(self) -> int | None:
+        return copying_device_state().free_bytes()
+
+    def close(self) -> None:
+        self._stream.close()
 
 
 def mover_class(device: torch.device) -> type[DeviceMover]:
