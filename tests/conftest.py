@@ -6,7 +6,9 @@ from __future__ import annotations
 import gc
 import os
 import subprocess
+import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -29,21 +31,50 @@ if not DEVICES:
     raise pytest.UsageError(f"TIERMEM_TEST_DEVICE={os.environ['TIERMEM_TEST_DEVICE']!r}: expected cpu or copy")
 
 
+# The copying device's copies land after seeded random delays ([Note: as strict as a GPU] in tiermem/device.py):
+# a new seed each run, so orderings vary from run to run, and TIERMEM_COPY_SEED=N repeats a run's.
+COPY_SEED = int(os.environ.get("TIERMEM_COPY_SEED") or zlib.crc32(os.urandom(4)) % 100_000)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"tiermem test device: {', '.join(DEVICES)}"
+    return (f"tiermem test device: {', '.join(DEVICES)}"
+            + (f"; copy streams seeded with TIERMEM_COPY_SEED={COPY_SEED}" if "copy" in DEVICES else ""))
+
+
+@contextmanager
+def on_copying_device(nodeid: str) -> Iterator[CopyingDevice]:
+    """The copying device for one test: no device memory may outlive it and no copy may race its source."""
+    seed = COPY_SEED + zlib.crc32(nodeid.encode())  # each test its own orderings, whatever runs before it
+    with copying_device(seed=seed) as dev:
+        before, faults = dev.live_bytes, len(dev.faults)
+        yield dev
+        gc.collect()
+        assert dev.live_bytes == before, f"{dev.live_bytes - before} bytes of device memory outlived the test"
+        assert len(dev.faults) == faults, f"copies raced their sources (TIERMEM_COPY_SEED={COPY_SEED}): " + \
+            "; ".join(map(str, dev.faults[faults:]))
 
 
 @pytest.fixture(params=DEVICES)
 def compute_device(request: pytest.FixtureRequest) -> Iterator[CopyingDevice | None]:
-    """The test runs on this compute device; on the copying one, no device memory may outlive it."""
+    """The test runs on this compute device (None: the CPU itself)."""
     if request.param == "cpu":
         yield None
         return
-    with copying_device() as dev:
-        before = dev.live_bytes
+    with on_copying_device(request.node.nodeid) as dev:
         yield dev
-        gc.collect()
-        assert dev.live_bytes == before, f"{dev.live_bytes - before} bytes of device memory outlived the test"
+
+
+# The process groups the multi-rank tests run on (tests/ranks.py): gloo, and the NCCL-like strict group on the
+# copying device. TIERMEM_TEST_RANKS=gloo or =strict runs one.
+RANK_BACKENDS = [b for b in ("gloo", "strict") if os.environ.get("TIERMEM_TEST_RANKS", b) == b]
+if not RANK_BACKENDS:
+    raise pytest.UsageError(f"TIERMEM_TEST_RANKS={os.environ['TIERMEM_TEST_RANKS']!r}: expected gloo or strict")
+
+
+@pytest.fixture(params=RANK_BACKENDS)
+def rank_backend(request: pytest.FixtureRequest) -> str:
+    """The multi-rank test runs its ranks on this process group (tests/ranks.py)."""
+    return str(request.param)
 
 
 def _backend_param(name: str) -> object:
