@@ -23,9 +23,19 @@ tm.backward and tm.clip_grad_norm_), once in float32 and once with params.dtype 
 run keeps fp32 master weights as tiermem does (bf16 model, fp32 copies that AdamW updates, gradients upcast
 before clipping). Reported: the largest loss difference per step and the largest parameter difference.
 
+Transfers: host-to-device and device-to-host GB/s of --transfer-size bytes, by torch's own copies from pinned
+and from pageable memory, and by tiermem's (a swapper's host pool and its mover, the side stream on CUDA);
+whether the pool was really page-locked (a refused registration leaves it pageable and makes every copy
+synchronous); and on CUDA how much of a copy on tiermem's side stream hides behind a compute kernel running
+at the same time ((compute alone + copy alone - both) / the shorter of the two; 1 is full overlap).
+
+Disk: `tiermem bench io` on the work directory (io.engine auto, 2 runs of --io-size): read and write GB/s,
+set beside the inference's streaming read rate (bytes read / generate()'s seconds).
+
 Every check has a tolerance (the constants below); the exit status is 0 when every section ran and every
 check held, 1 when a check failed, 2 when a section raised. A summary of one line per figure is printed and
-the report is written as JSON to --json, else $OUT/gpu_check.json when $OUT is set, else a temporary file.
+the report is written as JSON to --json, else $OUT/gpu_check.json when $OUT is set, else a temporary file,
+after each section (a run stopped at its time limit keeps what it measured).
 
     PYTHONPATH=. python3 bench/gpu_check.py                  # on a GPU machine (scripts/gpu_check.sh)
     PYTHONPATH=. python3 bench/gpu_check.py --device cpu --small  # anywhere, about a minute
@@ -35,10 +45,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +74,7 @@ from tiermem.device import copying_device, copying_device_state
 from tiermem.io.backends import available_backends
 from tiermem.io.bandwidth import GIB, system_info
 from tiermem.sizes import parse_size
+from tiermem.swap import TensorSwapper, Tier
 
 SEED = 0  # the models' initial weights
 INPUT_SEED = 1  # the token ids
@@ -72,6 +85,7 @@ CLIP = 1.0
 # device's kernel, so float32 results agree to rounding; bfloat16 parameters may differ by one bf16 ulp where
 # the fp32 master weights round differently (2**-7 at 1.0, LayerNorm's weights).
 LOGITS_ATOL = 1e-2
+OVERLAP_MIN = 0.5  # of the shorter of a copy and a kernel, hidden when both run at once (CUDA)
 LOSS_ATOL = {"float32": 1e-4, "bfloat16": 2e-2}
 PARAM_ATOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
@@ -187,6 +201,87 @@ def cuda_peak(device: torch.device, base: int) -> Iterator[dict[str, Any]]:
         out["bytes"] = copying.peak_bytes - base
 
 
+# -- transfers and the disk -----------------------------------------------------------------------------
+def _gbps(fn: Callable[[], Any], nbytes: int, device: torch.device, reps: int = 5) -> float:
+    """GB/s of `fn` (one transfer of `nbytes`, waited for), after one untimed call."""
+    fn()
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    synchronize(device)
+    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
+def check_transfers(sz: Sizes, device: torch.device, work: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Host<->device GB/s by torch's copies (pinned, pageable) and tiermem's, the pool's page-locking, overlap."""
+    size = parse_size(args.transfer_size or ("16MiB" if args.small else "256MiB"))
+    out: dict[str, Any] = {"bytes": size}
+    if device.type == "cuda":
+        dev = torch.empty(size, dtype=torch.uint8, device=device)
+        for kind, host in (("pinned", torch.empty(size, dtype=torch.uint8, pin_memory=True)),
+                           ("pageable", torch.empty(size, dtype=torch.uint8))):
+            out[f"torch_h2d_{kind}_gbps"] = _gbps(lambda h=host: dev.copy_(h, non_blocking=True), size, device)
+            out[f"torch_d2h_{kind}_gbps"] = _gbps(lambda h=host: h.copy_(dev, non_blocking=True), size, device)
+        del dev
+    overrides = {"device": str(device), "nvme.paths": [os.path.join(work, "swap-transfers")],
+                 "memory.host_budget": 2 * size}
+    with TensorSwapper(None, **overrides) as sw:
+        part = sw.add("transfer", {"w": torch.empty(size, dtype=torch.uint8, device="meta")}, home="cpu", zero=True)
+        sw.register_pool()
+        out["pool_page_locked"] = sw.pool.pinned if device.type == "cuda" else None
+        mover, host = sw.mover, part.flat(Tier.HOST)
+        out["tiermem_h2d_gbps"] = _gbps(lambda: mover.synchronize(mover.to_device(host)[1]), size, device)
+        dev_t, event = mover.to_device(host)
+        mover.synchronize(event)
+        out["tiermem_d2h_gbps"] = _gbps(lambda: mover.synchronize(mover.to_host(dev_t, host)), size, device)
+        if device.type == "cuda":
+            out.update(_overlap(mover, host, dev_t, device))
+    return out
+
+
+def _overlap(mover: Any, host: torch.Tensor, dev_t: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """Seconds of a kernel alone, of tiermem's copy alone, of both at once, and the fraction hidden."""
+    a = torch.randn(4096, 4096, device=device)
+
+    def compute() -> None:
+        for _ in range(8):
+            a @ a
+
+    def copy() -> None:
+        mover.synchronize(mover.to_device_into(host, dev_t))
+
+    def timed(fn: Callable[[], None]) -> float:
+        fn()
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    def both() -> None:
+        compute()  # queued on the compute stream, not waited for: the copy starts while it runs
+        copy()
+
+    tc, tx, tb = timed(compute), timed(copy), timed(both)
+    return {"compute_seconds": tc, "copy_seconds": tx, "both_seconds": tb,
+            "overlap_fraction": (tc + tx - tb) / min(tc, tx)}
+
+
+def check_disk(sz: Sizes, device: torch.device, work: str, args: argparse.Namespace) -> dict[str, Any]:
+    """`tiermem bench io` on the work directory (io.engine auto): read and write GB/s."""
+    size = args.io_size or ("64MiB" if args.small else "1GiB")
+    cmd = [sys.executable, "-m", "tiermem", "bench", "io", "--path", os.path.join(work, "bench-io"), "--size", size,
+           "--engine", "auto", "--runs", "2", "--json", "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[2:])} exited {res.returncode}: {res.stderr.strip()[-2000:]}")
+    report = json.loads(res.stdout)
+    rates = {r["mode"]: r for r in report["results"]}
+    return {"command": " ".join(["tiermem", *cmd[3:]]), "read_gbps": rates["read"]["gbps_mean"],
+            "write_gbps": rates["write"]["gbps_mean"], "engine": rates["read"].get("engine"), "results": report}
+
+
 # -- inference ----------------------------------------------------------------------------------------
 def check_inference(sz: Sizes, device: torch.device, work: str, args: argparse.Namespace) -> dict[str, Any]:
     """GPT-2-shaped fp16 model from a safetensors checkpoint under tiered_offload against it plainly on the device."""
@@ -241,7 +336,8 @@ def check_inference(sz: Sizes, device: torch.device, work: str, args: argparse.N
         runs.append({
             "prefetch": prefetch, "pack_seconds": pack_s, "logits": compare_logits(logits, ref_logits),
             "tokens_equal": bool(torch.equal(out, ref_tokens)), **timing,
-            "bytes_read": s["bytes_read"], "stall_seconds": s["stall_seconds"],
+            "bytes_read": s["bytes_read"], "read_gbps": s["bytes_read"] / timing["seconds"] / 1e9,
+            "stall_seconds": s["stall_seconds"],
             "prefetch_hits": s["prefetch_hits"], "prefetch_misses": s["prefetch_misses"],
             "peak_bytes": s["peak_bytes"], "largest_unit_bytes": s["largest_unit_bytes"], "units": s["units"],
             "resident_bytes": s["resident_bytes"], "cuda_max_allocated_bytes": peak["bytes"],
@@ -266,14 +362,16 @@ def train_model(sz: Sizes) -> Any:
 
 
 def train_plain(sz: Sizes, dtype: torch.dtype, batches: list[torch.Tensor], device: torch.device
-                ) -> tuple[list[float], dict[str, torch.Tensor]]:
+                ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     """AdamW on the device; for a 16-bit dtype with fp32 master weights, as tiermem keeps them."""
     model = train_model(sz).to(device=device, dtype=dtype)
     params = list(model.parameters())
     master = params if dtype == torch.float32 else [p.detach().float().clone().requires_grad_() for p in params]
     opt = torch.optim.AdamW(master, lr=LR)
-    losses = []
+    losses, seconds = [], []
     for ids in batches:
+        synchronize(device)
+        t0 = time.perf_counter()
         x = ids.to(device)
         loss = model(x, labels=x).loss
         loss.backward()
@@ -289,7 +387,8 @@ def train_plain(sz: Sizes, dtype: torch.dtype, batches: list[torch.Tensor], devi
                 for p, m in zip(params, master, strict=True):
                     p.copy_(m)
         losses.append(float(loss.detach()))
-    return losses, {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+        seconds.append(time.perf_counter() - t0)
+    return losses, {n: p.detach().float().cpu() for n, p in model.named_parameters()}, seconds
 
 
 def train_tiered(sz: Sizes, dtype: str, batches: list[torch.Tensor], device: torch.device, work: str
@@ -301,11 +400,13 @@ def train_tiered(sz: Sizes, dtype: str, batches: list[torch.Tensor], device: tor
     overrides: dict[str, Any] = {"device": str(device), "params.tier": "nvme", "optimizer.tier": "nvme",
                                  "grads.tier": "cpu", "params.dtype": None if dtype == "float32" else dtype,
                                  "nvme.paths": [swap], "memory.host_budget": sz.train_budget}
-    losses = []
+    losses, seconds = [], []
     with tiermem.tiered_offload(model, optimizer=opt, **overrides) as tm:
         optimizer = tm.optimizer
         assert optimizer is not None  # training: tiered_offload was given the optimizer
         for ids in batches:
+            synchronize(device)
+            t0 = time.perf_counter()
             x = ids.to(tm.device)
             loss = model(x, labels=x).loss
             tm.backward(loss)
@@ -313,9 +414,11 @@ def train_tiered(sz: Sizes, dtype: str, batches: list[torch.Tensor], device: tor
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss.detach()))
+            seconds.append(time.perf_counter() - t0)
         s = tm.stats()
     shutil.rmtree(swap, ignore_errors=True)
-    stats = {"bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"], "peak_bytes": s["peak_bytes"]}
+    stats = {"bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"], "peak_bytes": s["peak_bytes"],
+             "step_seconds": seconds}
     # on exit the parameters are restored to their own dtype (float32): round as the plain run stores them
     named = {n: p.detach().to(getattr(torch, dtype)).float() for n, p in model.named_parameters()}
     return losses, named, stats
@@ -329,7 +432,7 @@ def check_training(sz: Sizes, device: torch.device, work: str, args: argparse.Na
                            "batch": [2, sz.train_seq], "steps": args.steps, "lr": LR, "clip": CLIP,
                            "host_budget": parse_size(sz.train_budget), "dtypes": {}}
     for dtype in ("float32", "bfloat16"):
-        ref_losses, ref_params = train_plain(sz, getattr(torch, dtype), batches, device)
+        ref_losses, ref_params, ref_seconds = train_plain(sz, getattr(torch, dtype), batches, device)
         free_device(device)
         losses, params, stats = train_tiered(sz, dtype, batches, device, work)
         free_device(device)
@@ -337,7 +440,7 @@ def check_training(sz: Sizes, device: torch.device, work: str, args: argparse.Na
             "plain_losses": ref_losses, "tiermem_losses": losses,
             "loss_diff_per_step": [abs(a - b) for a, b in zip(losses, ref_losses, strict=True)],
             "max_param_diff": max(float((params[n] - p).abs().max()) for n, p in ref_params.items()),
-            **stats,
+            "plain_step_seconds": ref_seconds, **stats,
         }
     return out
 
@@ -389,6 +492,13 @@ def judge(report: dict[str, Any]) -> list[tuple[str, bool]]:
             if report.get("device") == "copy":  # there nothing but tiermem's units is device memory
                 checks.append((f"inference ({tag}): device memory alive <= the ledger's peak",
                                r["cuda_max_allocated_bytes"] <= r["peak_bytes"]["device"]))
+    if "copy_faults" in report:
+        checks.append(("copying device: no copy's source changed before it landed", not report["copy_faults"]))
+    tx = report.get("transfers")
+    if tx and tx.get("pool_page_locked") is not None:  # CUDA: copies are asynchronous only from page-locked memory
+        checks.append(("transfers: tiermem's host pool is page-locked", bool(tx["pool_page_locked"])))
+        checks.append((f"transfers: a copy on tiermem's side stream overlaps compute (>= {OVERLAP_MIN})",
+                       bool(tx["pool_page_locked"]) and tx["overlap_fraction"] >= OVERLAP_MIN))
     comp = report.get("compressed")
     if comp:
         for key, r in comp.items():
@@ -437,6 +547,22 @@ def print_summary(report: dict[str, Any]) -> None:
         runs = {r["prefetch"]: r for r in inf["runs"]}
         if True in runs and False in runs:
             print(f"speed-up from prefetch: {runs[True]['tokens_per_s'] / runs[False]['tokens_per_s']:.2f}x")
+    tx = report.get("transfers")
+    if tx:
+        line = ", ".join(f"{k[:-5]} {v:.2f}" for k, v in tx.items() if k.endswith("_gbps"))
+        print(f"transfers of {_mb(tx['bytes'])} (GB/s): {line}; pool page-locked: {tx['pool_page_locked']}"
+              + (f"; overlap {tx['overlap_fraction']:.2f} (compute {tx['compute_seconds'] * 1e3:.1f} ms, copy "
+                 f"{tx['copy_seconds'] * 1e3:.1f} ms, both {tx['both_seconds'] * 1e3:.1f} ms)"
+                 if "overlap_fraction" in tx else ""))
+    disk = report.get("disk")
+    if disk:
+        print(f"disk ({disk['command']}): read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s "
+              f"({disk['engine']})")
+        if inf:
+            for r in inf["runs"]:
+                tag = "prefetch" if r["prefetch"] else "no prefetch"
+                print(f"inference {tag}: streamed {r['read_gbps']:.2f} GB/s, {r['read_gbps'] / disk['read_gbps']:.0%} "
+                      f"of the disk's read, stall {r['stall_seconds']:.2f} s")
     tr = report.get("training")
     if tr:
         m = tr["model"]
@@ -445,6 +571,10 @@ def print_summary(report: dict[str, Any]) -> None:
             print(f"training {dtype} ({m['layers']} layers x {m['width']}, {tr['steps']} AdamW steps): loss diff per "
                   f"step {diffs}; max param diff {d['max_param_diff']:.2e}; tiermem losses "
                   f"{' '.join(f'{x:.4f}' for x in d['tiermem_losses'])}")
+            later = slice(1, None) if len(d["step_seconds"]) > 1 else slice(None)  # the first records the order
+            mine, plain = statistics.fmean(d["step_seconds"][later]), statistics.fmean(d["plain_step_seconds"][later])
+            print(f"training {dtype}: step {mine * 1e3:.1f} ms under tiermem against {plain * 1e3:.1f} ms in device "
+                  f"memory ({mine / plain:.2f}x; steps after the first)")
     for name, err in report["errors"].items():
         print(f"{name}: FAILED with {err.splitlines()[-1]}")
     for name, ok in report["checks"]:
@@ -498,7 +628,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-units", type=int, default=4,
                    help="memory.device_budget in units of the largest block or embedding (default 4)")
     p.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    p.add_argument("--only", choices=["infer", "compressed", "train"], default=None, help="run one section")
+    p.add_argument("--transfer-size", default=None, help="bytes per transfer measured (default 256MiB, 16MiB small)")
+    p.add_argument("--io-size", default=None, help="bytes per `tiermem bench io` run (default 1GiB, 64MiB small)")
+    p.add_argument("--only", choices=["transfers", "disk", "infer", "compressed", "train"], default=None,
+                   help="run one section")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -526,7 +659,9 @@ def _run(args: argparse.Namespace, device: torch.device, label: str) -> int:
     work = args.dir or tempfile.mkdtemp(prefix="tiermem-gpu-check-")
     os.makedirs(work, exist_ok=True)
     report: dict[str, Any] = {**header(device, work), "device": label, "small": args.small, "errors": {}}
-    sections: list[tuple[str, Callable[..., dict[str, Any]]]] = [("inference", check_inference),
+    sections: list[tuple[str, Callable[..., dict[str, Any]]]] = [("transfers", check_transfers),
+                                                                 ("disk", check_disk),
+                                                                 ("inference", check_inference),
                                                                  ("compressed", check_compressed),
                                                                  ("training", check_training)]
     t0 = time.perf_counter()
@@ -542,12 +677,14 @@ def _run(args: argparse.Namespace, device: torch.device, label: str) -> int:
             print(report["errors"][name], file=sys.stderr)
         print(f"{name} took {time.perf_counter() - t1:.1f} s", flush=True)
         free_device(device)
-    report["seconds"] = time.perf_counter() - t0
-    report["checks"] = judge(report)
+        report["seconds"] = time.perf_counter() - t0
+        if label == "copy":  # races its copy streams caught (see [Note: as strict as a GPU] in tiermem/device.py)
+            report["copy_faults"] = [str(f) for f in copying_device_state().faults]
+        report["checks"] = judge(report)
+        write_json(json_path, report)  # after each section: a run stopped at its limit keeps what it measured
     print_summary(report)
     if args.dir is None:
         shutil.rmtree(work, ignore_errors=True)
-    write_json(json_path, report)
     if report["errors"]:
         return 2
     return 0 if all(ok for _, ok in report["checks"]) else 1

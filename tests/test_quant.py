@@ -358,3 +358,35 @@ def test_forwards_that_record_gradients_or_autocast_expand_whole_and_an_interrup
                 model(ids)
     left = [name for name, p in model.named_parameters() if type(p) is not torch.nn.Parameter]
     assert not left, left
+
+
+def test_a_failing_cupy_kernel_falls_back_to_pytorch_with_one_warning(monkeypatch, caplog) -> None:
+    """When cupy's kernel fails to compile or launch, the weight is expanded by PyTorch's operations (the same
+    values), with one warning naming the fallback, and cupy is not tried again."""
+    calls = []
+
+    def broken(*args: Any) -> None:
+        calls.append(1)
+        raise RuntimeError("nvrtc: error: invalid value for --gpu-architecture")
+
+    monkeypatch.setattr(quant, "_CUPY_FAILED", [])
+    monkeypatch.setattr(quant, "_use_cupy", lambda out: not quant._CUPY_FAILED)  # as on a GPU with cupy
+    monkeypatch.setattr(quant, "_cupy_dequantize", broken)
+    q = Quantization(8, 64)
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    specs = dict(q.specs("w", w.to("meta")))
+    values = torch.empty(specs["w#q"].shape, dtype=specs["w#q"].dtype)
+    scales = torch.empty(specs["w#scale"].shape)
+    q.quantize_into(w, values, scales)
+    with monkeypatch.context() as m:
+        m.setattr(quant, "_use_cupy", lambda out: False)
+        want = torch.empty_like(w)
+        q.dequantize_into(values, scales, want)
+    with caplog.at_level("WARNING", logger="tiermem.quant"):
+        for _ in range(3):
+            got = torch.empty_like(w)
+            q.dequantize_into(values, scales, got)
+            assert torch.equal(got, want)
+    assert len(calls) == 1
+    warnings = [r for r in caplog.records if "cupy's dequantizing kernel failed" in r.getMessage()]
+    assert len(warnings) == 1 and "nvrtc" in warnings[0].getMessage()

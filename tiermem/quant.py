@@ -96,9 +96,12 @@ class Quantization:
         if start:
             assert start % g == 0, (start, g)
             values, scales = values[start if self.bits == 8 else start // 2:], scales[start // g:]
-        if out.is_cuda and self.bits == 8 and _cupy() is not None:
-            _cupy_dequantize(values, scales, flat, g)
-            return
+        if self.bits == 8 and _use_cupy(out):
+            try:
+                _cupy_dequantize(values, scales, flat, g)
+                return
+            except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or launch: PyTorch's ops do it
+                _cupy_failed(exc)
         full = numel // g * g
         if full:
             rows = flat[:full].view(-1, g)
@@ -368,6 +371,23 @@ def _cupy() -> Any:
         log.debug("cupy is not usable (%s): dequantizing with PyTorch's operations", exc)
         return None
     return cupy
+
+
+_CUPY_FAILED: list[str] = []  # why cupy's kernel failed once (then PyTorch's operations expand for good)
+
+
+def _use_cupy(out: torch.Tensor) -> bool:
+    """Whether cupy's fused kernel expands into `out`: a CUDA tensor, cupy usable, and no failure of it yet."""
+    return out.is_cuda and not _CUPY_FAILED and _cupy() is not None
+
+
+def _cupy_failed(exc: BaseException) -> None:
+    """cupy's kernel failed to compile or launch: warn once, and expand with PyTorch's operations from now on."""
+    if not _CUPY_FAILED:
+        log.warning("cupy's dequantizing kernel failed (%s: %s); expanding compressed weights with PyTorch's "
+                    "operations instead (slower; check cupy matches this CUDA: pip install cupy-cuda12x or 13x)",
+                    type(exc).__name__, exc)
+    _CUPY_FAILED.append(f"{type(exc).__name__}: {exc}")
 
 
 @functools.cache

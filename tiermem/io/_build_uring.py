@@ -20,17 +20,34 @@ def _declarations(header: Path) -> str:
                      if not line.strip().startswith(skip))
 
 
-ffibuilder = FFI()
-ffibuilder.cdef(_declarations(_ROOT / "csrc" / "tm_uring.h"))
-ffibuilder.set_source(
-    "tiermem.io._uring_cffi",
-    '#include "tm_uring.h"',
-    sources=[os.path.join(_CSRC, "tm_uring.c")],
-    include_dirs=[_CSRC],
-    libraries=["uring"],
-    extra_compile_args=["-O2", "-Wall"],
-    extra_link_args=["-pthread"],
-)
+# TIERMEM_LIBURING_PREFIX: a liburing unpacked from Debian's liburing-dev (scripts/gpu_deps.sh), linked in
+# statically, for a machine that has no liburing of its own (the lent GPU machine); else the system's.
+_PREFIX = os.environ.get("TIERMEM_LIBURING_PREFIX")
+_LINK: dict[str, list[str]] = (
+    {"libraries": [], "extra_objects": [os.path.join(_PREFIX, "usr/lib/x86_64-linux-gnu/liburing.a")],
+     "include_dirs": [os.path.join(_PREFIX, "usr/include")]}
+    if _PREFIX else {"libraries": ["uring"], "extra_objects": [], "include_dirs": []})
 
-if __name__ == "__main__":
-    ffibuilder.compile(tmpdir=str(_ROOT), verbose=True)
+def _builder(csrc: str) -> FFI:
+    ffi = FFI()
+    ffi.cdef(_declarations(_ROOT / "csrc" / "tm_uring.h"))
+    ffi.set_source(
+        "tiermem.io._uring_cffi",
+        '#include "tm_uring.h"',
+        sources=[os.path.join(csrc, "tm_uring.c")],
+        include_dirs=[csrc, *_LINK["include_dirs"]],
+        libraries=_LINK["libraries"],
+        extra_objects=_LINK["extra_objects"],
+        extra_compile_args=["-O2", "-Wall"],
+        extra_link_args=["-pthread"],
+        py_limited_api=True,  # one .so (abi3) for every CPython 3: one built here loads on the GPU machine's 3.12
+    )
+    return ffi
+
+
+ffibuilder = _builder(_CSRC)
+
+if __name__ == "__main__":  # python3 tiermem/io/_build_uring.py [TARGET_ROOT]: the .so under TARGET_ROOT/tiermem/io
+    import sys
+
+    _builder(str(_ROOT / "csrc")).compile(tmpdir=sys.argv[1] if len(sys.argv) > 1 else str(_ROOT), verbose=True)
