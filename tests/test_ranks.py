@@ -23,6 +23,7 @@ from tiermem.distributed import (
     start_scatter_sum,
 )
 from tiermem.swap import Layout
+from tiermem.swap.transfers import make_mover
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,7 +39,7 @@ def _values() -> dict[str, torch.Tensor]:
 
 
 def _gather_and_scatter(rank: int, world: int, folder: Path) -> None:
-    ranks = Ranks.of()
+    ranks = Ranks.of().on_device(make_mover(torch.device("cpu")))  # on the strict group, the copying device's
     assert (ranks.rank, ranks.world) == (rank, world)
     full = Layout.of(_specs())
     chunks = Layout.of(chunk_specs(ranks, _specs()))
@@ -64,10 +65,12 @@ def _gather_and_scatter(rank: int, world: int, folder: Path) -> None:
         assert not got[name][end - start :].any()  # the padding stays zero
 
 
-def test_a_unit_gathered_from_two_ranks_chunks_is_whole_and_gradients_reduce_to_each_ranks_chunk(tmp_path) -> None:
+def test_a_unit_gathered_from_two_ranks_chunks_is_whole_and_gradients_reduce_to_each_ranks_chunk(
+        tmp_path, rank_backend: str) -> None:
     """Each rank holds chunk r of every tensor; all-gathering gives every tensor whole on each rank, and
-    reduce-scattering whole gradients leaves each rank the mean of its chunks, padding zero."""
-    run_ranks(_gather_and_scatter, 2, tmp_path)
+    reduce-scattering whole gradients leaves each rank the mean of its chunks, padding zero (host tensors on a
+    device-only group go through device memory)."""
+    run_ranks(_gather_and_scatter, 2, tmp_path, backend=rank_backend)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -171,14 +174,14 @@ def _detour(model: torch.nn.Module) -> object:
     return model.transformer.h[0].register_forward_hook(also_block_2)
 
 
-def test_two_ranks_each_hold_half_and_compute_what_one_process_computes(tmp_path) -> None:
+def test_two_ranks_each_hold_half_and_compute_what_one_process_computes(tmp_path, rank_backend: str) -> None:
     """Inference under two ranks: each rank keeps its half of every unit on its NVMe tier, gathers units to
     compute (once the order is known, each while the unit before computes, and a unit entered twice in a row
     once), and gets the logits of the
     model in memory, also in a pass that leaves the recorded order; each rank's NVMe and host-tier bytes
     are half of a single process's (within 5%); an edit in tm.gathered() is kept; leaving gives every rank
     the whole model back."""
-    run_ranks(_forward, 2, tmp_path / "two")
+    run_ranks(_forward, 2, tmp_path / "two", backend=rank_backend)
     _forward(0, 1, tmp_path / "one")  # no process group here: one rank, the whole units
     one = torch.load(tmp_path / "one" / "stats0.pt")
     for rank in range(2):
@@ -200,7 +203,7 @@ def _stream(rank: int, world: int, folder: Path) -> None:
     torch.save({"logits": logits, "read": read}, folder / f"streamed{rank}.pt")
 
 
-def test_two_ranks_streaming_a_checkpoint_each_read_their_half_of_it(tmp_path) -> None:
+def test_two_ranks_streaming_a_checkpoint_each_read_their_half_of_it(tmp_path, rank_backend: str) -> None:
     """A model built on the meta device, its weights streamed from a float16 safetensors file at entry: each
     of two ranks reads only its chunk of every tensor (half the bytes one process reads, to the padding of
     one element per tensor), converts it to float32, and both compute the logits one process does. Before,
@@ -210,7 +213,7 @@ def test_two_ranks_streaming_a_checkpoint_each_read_their_half_of_it(tmp_path) -
     model = _gpt2()
     save_file({k: v.half() for k, v in model.state_dict().items() if k != "lm_head.weight"},  # tied to wte
               str(tmp_path / "weights.safetensors"))
-    run_ranks(_stream, 2, tmp_path / "two")
+    run_ranks(_stream, 2, tmp_path / "two", backend=rank_backend)
     _stream(0, 1, tmp_path / "one")
     one = torch.load(tmp_path / "one" / "streamed0.pt")
     params = sum(p.numel() for p in model.parameters())
@@ -310,7 +313,7 @@ def _adam_gap(steps: int = STEPS) -> float:
 
 
 @pytest.mark.parametrize("kind", ["sgd", "asgd", "adagrad", "adamw"])
-def test_two_ranks_train_as_one_process_on_both_batches(tmp_path, kind: str) -> None:
+def test_two_ranks_train_as_one_process_on_both_batches(tmp_path, kind: str, rank_backend: str) -> None:
     """Ten steps with two parameter groups, clipping and 2-step accumulation, each rank on its half of every
     batch: both ranks end with the same weights, those of one process training on the whole batches in
     memory. With SGD and momentum, ASGD and Adagrad within 1e-6 (1.1e-8 measured for SGD). With AdamW as close
@@ -319,7 +322,7 @@ def test_two_ranks_train_as_one_process_on_both_batches(tmp_path, kind: str) -> 
     ranks as far), so the bound is twice that gap, measured in the test. With restore_optimizer=True each rank's
     optimizer holds the state whole after exit, as in memory (within 1e-6 but AdamW's). Each rank's NVMe tier
     holds half of what one process's holds (parameters, gradients and optimizer state), within 5%."""
-    run_ranks(_train_rank, 2, tmp_path / "two", kind, timeout_s=120)
+    run_ranks(_train_rank, 2, tmp_path / "two", kind, timeout_s=120, backend=rank_backend)
     whole, state = _train_in_memory(kind)
     bound = 2 * _adam_gap() if kind == "adamw" else 1e-6
     ranks = [torch.load(tmp_path / "two" / f"params{rank}.pt") for rank in range(2)]
@@ -470,14 +473,15 @@ def _routed_rank(rank: int, world: int, folder: Path) -> None:
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, folder / f"params{rank}.pt")
 
 
-def test_two_ranks_that_give_different_parameters_of_a_unit_gradients_update_them_as_ddp_would(tmp_path) -> None:
+def test_two_ranks_that_give_different_parameters_of_a_unit_gradients_update_them_as_ddp_would(
+        tmp_path, rank_backend: str) -> None:
     """Rank r sends its micro-batches to expert r (on every other step, each rank both experts in turn), so
     each rank has gradients for only some of one unit's parameters: every rank updates every parameter some
     rank gave a gradient, with the average over the ranks (the others' counted as zeros, as DDP with
     find_unused_parameters does), and clipping takes the norm of all of them. 10 steps of SGD with momentum,
     2-step accumulation, clipping: both ranks end with the weights of one process doing DDP's arithmetic,
     within 1e-6. Before, each rank updated only its own experts' chunks."""
-    run_ranks(_routed_rank, 2, tmp_path / "two", timeout_s=120)
+    run_ranks(_routed_rank, 2, tmp_path / "two", timeout_s=120, backend=rank_backend)
     model = _RoutedModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = [_routed_data(rank) for rank in range(2)]
@@ -536,13 +540,14 @@ def _backward_fails_once_rank(rank: int, world: int, folder: Path, fail: bool) -
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, folder / f"params{rank}.pt")
 
 
-def test_two_ranks_whose_backward_raises_with_a_reduce_scatter_in_flight_train_on_as_if_it_never_ran(tmp_path) -> None:
+def test_two_ranks_whose_backward_raises_with_a_reduce_scatter_in_flight_train_on_as_if_it_never_ran(
+        tmp_path, rank_backend: str) -> None:
     """Both ranks' backward raises in block 0 while block 1's gradients are being reduce-scattered into its
     accumulators; the loop catches it and runs that batch again. Once the next forward has given back what
     the failed backward held, no unit's accumulators are held (block 1's were, written by the collective),
     and the weights after 8 steps equal, bit for bit, those of the same ranks that never failed."""
-    run_ranks(_backward_fails_once_rank, 2, tmp_path / "failed", True, timeout_s=120)
-    run_ranks(_backward_fails_once_rank, 2, tmp_path / "clean", False, timeout_s=120)
+    run_ranks(_backward_fails_once_rank, 2, tmp_path / "failed", True, timeout_s=120, backend=rank_backend)
+    run_ranks(_backward_fails_once_rank, 2, tmp_path / "clean", False, timeout_s=120, backend=rank_backend)
     for rank in range(2):
         got = torch.load(tmp_path / "failed" / f"params{rank}.pt")
         want = torch.load(tmp_path / "clean" / f"params{rank}.pt")
@@ -550,7 +555,7 @@ def test_two_ranks_whose_backward_raises_with_a_reduce_scatter_in_flight_train_o
             assert torch.equal(got[name], value), (rank, name)
 
 
-def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None:
+def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path, rank_backend: str) -> None:
     """Two ranks save one checkpoint of whole tensors (transformers' from_pretrained loads its weights); one
     process loads it and saves the same bytes again; and a checkpoint saved by one process, loaded by two
     ranks, is saved again unchanged: weights, optimizer state, steps and groups survive either way. Training
@@ -560,7 +565,7 @@ def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None
     optimizer state would move them by the learning rate, 1e-3)."""
     from transformers import GPT2LMHeadModel
 
-    run_ranks(_save_after_steps, 2, tmp_path / "two", timeout_s=120)
+    run_ranks(_save_after_steps, 2, tmp_path / "two", timeout_s=120, backend=rank_backend)
     saved = tmp_path / "two" / "saved"
     loaded = dict(GPT2LMHeadModel.from_pretrained(saved).named_parameters())
     for rank in range(2):  # the weights each rank had when it saved, whole
@@ -575,7 +580,8 @@ def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None
         assert abs(got - total / 2) <= 0.05 * total, (rank, got, total)
     bound = 2 * _adam_gap(CONTINUED_TO)
     _assert_continued_alike(tmp_path / "one" / "continued0.pt", tmp_path / "two" / "continued0.pt", bound)
-    run_ranks(_load_and_save, 2, tmp_path / "two-again", saved, timeout_s=120)  # the same ranks: bit for bit
+    # the same ranks: bit for bit
+    run_ranks(_load_and_save, 2, tmp_path / "two-again", saved, timeout_s=120, backend=rank_backend)
     _assert_continued_alike(tmp_path / "two-again" / "continued0.pt", tmp_path / "two" / "continued0.pt", 0.0)
     damaged = tmp_path / "damaged"
     shutil.copytree(saved, damaged)
@@ -584,7 +590,7 @@ def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None
         last = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
-    run_ranks(_load_damaged, 2, tmp_path / "damaged-load", damaged, timeout_s=120)
+    run_ranks(_load_damaged, 2, tmp_path / "damaged-load", damaged, timeout_s=120, backend=rank_backend)
     one = int((tmp_path / "one" / "read0").read_text())  # checked, then read: twice the tensors' bytes
     assert one == 2 * _tensor_bytes(saved)
     for rank in range(2):  # each rank checks a run of half the tensors' bytes, then reads its chunk of each
@@ -593,7 +599,7 @@ def test_a_checkpoint_saved_by_two_ranks_loads_in_one_and_back(tmp_path) -> None
 
     _save_after_steps(0, 1, tmp_path / "single")
     assert int((tmp_path / "single" / "written0").read_text()) == _tensor_bytes(tmp_path / "single" / "saved")
-    run_ranks(_load_and_save, 2, tmp_path / "back", tmp_path / "single" / "saved", timeout_s=120)
+    run_ranks(_load_and_save, 2, tmp_path / "back", tmp_path / "single" / "saved", timeout_s=120, backend=rank_backend)
     assert _files(tmp_path / "back" / "again") == _files(tmp_path / "single" / "saved")
     for rank in range(2):
         _assert_continued_alike(tmp_path / "back" / f"continued{rank}.pt", tmp_path / "single" / "continued0.pt",
@@ -654,23 +660,23 @@ def _save_with_a_buffer_on_the_device(rank: int, world: int, folder: Path, case:
 
 
 @pytest.mark.parametrize("case", ["shared", "unshared"])
-def test_two_ranks_save_a_buffer_that_lives_on_the_device(tmp_path, case: str) -> None:
+def test_two_ranks_save_a_buffer_that_lives_on_the_device(tmp_path, case: str, rank_backend: str) -> None:
     """A persistent buffer on the device is copied to the host to be written, by either path (before: the
     ranks' own writer was handed the device tensor and every save failed)."""
     from safetensors.torch import load_file
 
-    run_ranks(_save_with_a_buffer_on_the_device, 2, tmp_path, case, timeout_s=120)
+    run_ranks(_save_with_a_buffer_on_the_device, 2, tmp_path, case, timeout_s=120, backend=rank_backend)
     saved = load_file(str(tmp_path / "ckpt" / "model-00001-of-00001.safetensors"))
     assert torch.equal(saved["transformer.scale"], torch.arange(5, dtype=torch.float32))
     assert torch.equal(saved["transformer.wte.weight"], _gpt2().transformer.wte.weight)
 
 
-def test_two_ranks_that_do_not_see_one_folder_save_through_rank_0(tmp_path) -> None:
+def test_two_ranks_that_do_not_see_one_folder_save_through_rank_0(tmp_path, rank_backend: str) -> None:
     """When a rank does not see the folder rank 0 made (machines without a shared filesystem), rank 0 writes
     every byte, gathered, and the checkpoint is the one the ranks would have written each their chunks of."""
     from transformers import GPT2LMHeadModel
 
-    run_ranks(_save_twice, 2, tmp_path / "ranks", str(tmp_path), "unshared", timeout_s=120)
+    run_ranks(_save_twice, 2, tmp_path / "ranks", str(tmp_path), "unshared", timeout_s=120, backend=rank_backend)
     total = _tensor_bytes(tmp_path / "ckpt")
     (first0, again0), (first1, again1) = (
         map(int, (tmp_path / "ranks" / f"written{r}").read_text().split()) for r in range(2))
@@ -682,8 +688,8 @@ def test_two_ranks_that_do_not_see_one_folder_save_through_rank_0(tmp_path) -> N
 
 
 @pytest.mark.parametrize("case", ["full", "full-unshared"])
-def test_a_full_drive_fails_a_two_rank_save_on_both_ranks_and_the_old_checkpoint_stays(tmp_path, ext4_mount,
-                                                                                        case: str) -> None:
+def test_a_full_drive_fails_a_two_rank_save_on_both_ranks_and_the_old_checkpoint_stays(
+        tmp_path, ext4_mount, case: str, rank_backend: str) -> None:
     """A real ext4 filesystem with room for one checkpoint: the second save, with the drive filled, raises on
     both ranks a CheckpointError naming the cause and the fix, whether each rank writes its chunks or rank 0
     writes everything gathered (its failed write stops the writing, not the gathers the other rank makes);
@@ -691,7 +697,7 @@ def test_a_full_drive_fails_a_two_rank_save_on_both_ranks_and_the_old_checkpoint
     from transformers import GPT2LMHeadModel
 
     target = ext4_mount(48 << 20)
-    run_ranks(_save_twice, 2, tmp_path / "ranks", target, case, timeout_s=120)
+    run_ranks(_save_twice, 2, tmp_path / "ranks", target, case, timeout_s=120, backend=rank_backend)
     assert all((tmp_path / "ranks" / f"raised{r}").exists() for r in range(2))
     assert not [p for p in Path(target).iterdir() if ".tmp-" in p.name]  # the new folder was removed
     GPT2LMHeadModel.from_pretrained(Path(target) / "ckpt")
@@ -721,7 +727,7 @@ def _lora_adapter_saved(rank: int, world: int, folder: Path, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["shared", "unshared"])
-def test_two_ranks_save_a_lora_adapter_that_peft_loads(tmp_path, case: str) -> None:
+def test_two_ranks_save_a_lora_adapter_that_peft_loads(tmp_path, case: str, rank_backend: str) -> None:
     """`tm.save_checkpoint(dir, adapters_only=True)` on two ranks writes the adapter whole, in PEFT's format:
     each rank its chunks when both see the folder, rank 0 alone (gathered) when not; PeftModel.from_pretrained
     loads the trained adapter (before: each rank wrote its chunks as whole tensors into the same file, and the
@@ -729,7 +735,7 @@ def test_two_ranks_save_a_lora_adapter_that_peft_loads(tmp_path, case: str) -> N
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    run_ranks(_lora_adapter_saved, 2, tmp_path, case, timeout_s=120)
+    run_ranks(_lora_adapter_saved, 2, tmp_path, case, timeout_s=120, backend=rank_backend)
     want = torch.load(tmp_path / "lora0.pt")
     assert want and all(torch.equal(v, torch.load(tmp_path / "lora1.pt")[n]) for n, v in want.items())
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
@@ -777,12 +783,12 @@ def _one_rank_raises(rank: int, world: int, folder: Path, stays: bool) -> None:
 
 
 @pytest.mark.parametrize("stays", [False, True], ids=["rank-leaves", "rank-stays-alive"])
-def test_a_rank_that_raises_makes_the_others_raise_not_hang(tmp_path, stays: bool) -> None:
+def test_a_rank_that_raises_makes_the_others_raise_not_hang(tmp_path, stays: bool, rank_backend: str) -> None:
     """Rank 1 raises in the forward of one block while rank 0 waits to gather that block with it: rank 0 gets a
     RanksError naming rank 1 and its error well within the process group's timeout (60 s here), whether rank
     1's process ends or stays alive (its loop caught the error), and both leave with a RestoreError naming the
     parameters, left on the meta device, instead of pairing their exit's gathers with the wrong collectives."""
-    run_ranks(_one_rank_raises, 2, tmp_path, stays, timeout_s=60)
+    run_ranks(_one_rank_raises, 2, tmp_path, stays, timeout_s=60, backend=rank_backend)
     zero = (tmp_path / "outcome0").read_text()
     one = (tmp_path / "outcome1").read_text()
     assert zero.startswith("RanksError: rank 0 of 2: gathering a unit"), zero
@@ -827,7 +833,7 @@ def _train_then_one_rank_raises(rank: int, world: int, folder: Path) -> None:
 
 
 def test_a_rank_that_raises_leaves_each_ranks_share_and_they_join_into_a_checkpoint_training_resumes_from(
-        tmp_path) -> None:
+        tmp_path, rank_backend: str) -> None:
     """After 2 steps of AdamW on 2 ranks, rank 1 raises in a forward: the parameters cannot be gathered back and
     stay on the meta device on both ranks, but each rank writes its chunks of every parameter and of its
     optimizer state beside its swap, and `tiermem rescue` puts them together into a checkpoint as
@@ -842,7 +848,7 @@ def test_a_rank_that_raises_leaves_each_ranks_share_and_they_join_into_a_checkpo
     from tiermem.errors import CheckpointError
     from tiermem.rescue import join
 
-    run_ranks(_train_then_one_rank_raises, 2, tmp_path, timeout_s=120)
+    run_ranks(_train_then_one_rank_raises, 2, tmp_path, timeout_s=120, backend=rank_backend)
     dirs = [(tmp_path / f"rescued{r}").read_text() for r in range(2)]
     assert [Path(d).parent for d in dirs] == [tmp_path / "swap0", tmp_path / "swap1"]
     assert main(["rescue", dirs[1], dirs[0], "--out", str(tmp_path / "ckpt")]) == 0
@@ -881,3 +887,4 @@ def test_a_rank_that_raises_leaves_each_ranks_share_and_they_join_into_a_checkpo
         join([dirs[0], str(tmp_path / "doctored")], tmp_path / "partial")
     with pytest.raises(CheckpointError, match="no rescue.json; not a tiermem rescue directory"):
         join([dirs[0], str(tmp_path)], tmp_path / "partial")
+

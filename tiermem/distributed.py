@@ -43,8 +43,22 @@ rank waiting for a collective on gloo waits in slices of `_POLL` seconds, lookin
 (`Ranks._wait`): it raises a RanksError naming the failed rank and its error within a slice of the
 announcement. A rank that died instead breaks gloo's connections, and the wait fails at once; the
 timeout given to `init_process_group` stays the bound on everything else (a rank that never arrives).
-NCCL's waits do not block the CPU (its watchdog enforces the timeout), so there the collectives are
-waited for as they are.
+NCCL's `wait()` does not block the host (it orders the compute stream after the collective), so a rank
+waiting there would only be stopped at its next synchronisation, which would never return: on NCCL
+`Ranks._poll` asks the work whether it completed instead, looking at the store between the questions. (gloo's
+works cannot be asked: its reduce-scatter's never says it completed, so gloo and other backends wait in
+slices.)
+
+# [Note: collectives on NCCL]
+NCCL takes device memory only, and a default `init_process_group("nccl")` has no CPU backend. tiermem's
+collectives are right for it by construction rather than by a second, CPU process group: `Ranks` holds the
+compute device's mover (`on_device`, at entry), and where the group's backend is device-only (any without
+gloo for the CPU: NCCL; tests/strict_group.py stands in for it on the copying test device) a host tensor
+goes through a device copy: the small all-reduces (flags, norms, the float16 skip), the gathers of host
+partitions (the optimizer's state, checkpoints), and `all_gather_object`, which is two all-gathers of
+pickled bytes in device memory (torch's makes its tensors where the backend is registered, on the host for a
+backend registered for the CPU). The rows a gather or reduce-scatter fills are made in device memory
+(`Ranks.scratch`). A user's `process_group=` and DDP's or the Trainer's groups are used as they are.
 """
 
 from __future__ import annotations
@@ -55,6 +69,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import pickle
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,6 +79,7 @@ import torch
 
 from tiermem.errors import RanksError
 from tiermem.swap import Layout
+from tiermem.swap.transfers import DeviceMover
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +111,9 @@ class Ranks:
     world: int = 1
     traffic: Traffic = field(default_factory=Traffic, compare=False, repr=False)
     scope: str = field(default="", compare=False)  # this entry's keys in the store (see [Note: a rank that fails])
+    # the compute device's mover: host tensors are staged through its memory where the backend takes device
+    # memory only (see [Note: collectives on NCCL])
+    mover: DeviceMover | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, group: Any = None) -> Ranks:
@@ -110,9 +129,42 @@ class Ranks:
         every rank enters the same contexts in the same order, so they count alike."""
         return dataclasses.replace(self, scope=f"tiermem/entry{next(_ENTRIES)}") if self.sharded else self
 
+    def on_device(self, mover: DeviceMover) -> Ranks:
+        """These ranks, staging host tensors through `mover`'s device memory (see [Note: collectives on NCCL])."""
+        return dataclasses.replace(self, mover=mover) if self.sharded else self
+
     @property
     def sharded(self) -> bool:
         return self.world > 1
+
+    @functools.cached_property
+    def device_only(self) -> bool:
+        """The group's collectives take device memory only (NCCL; any backend but one with gloo for the CPU):
+        host tensors go through device memory (see [Note: collectives on NCCL])."""
+        import torch.distributed as dist
+
+        return self.sharded and "gloo" not in str(dist.get_backend(self.group))
+
+    @functools.cached_property
+    def nccl(self) -> bool:
+        """The group's device collectives are NCCL's, whose `wait()` does not block the host and whose works say
+        truly whether they completed (gloo's reduce-scatter work never does)."""
+        import torch.distributed as dist
+
+        return self.sharded and str(dist.get_backend(self.group)) == "nccl"
+
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as this group's collectives take it: itself, or a copy in device memory (to copy back)."""
+        if not self.device_only or self.mover is None or self.mover.holds(t):
+            return t
+        return self.mover.tensor_to_device(t)
+
+    def scratch(self, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        """`nbytes` (uint8) for a collective beside `like`: device memory where the group takes only that or
+        `like` is there, else `like`'s memory."""
+        if self.mover is not None and (self.device_only or self.mover.holds(like)):
+            return self.mover.empty(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
 
     @property
     def rows_received(self) -> int:
@@ -180,10 +232,14 @@ class Ranks:
             raise self._failed(what, exc) from exc
 
     def _wait(self, work: Any, what: str) -> None:
-        """Wait for `work`; on gloo in slices, ending with a RanksError as soon as another rank announces a
-        failure (see [Note: a rank that fails])."""
+        """Wait for `work`, ending with a RanksError as soon as another rank announces a failure (see [Note: a rank
+        that fails]): on NCCL by asking whether it completed, elsewhere in slices of waiting."""
         try:
-            if not self.by_rank or self._store is None:
+            if self._store is None:
+                work.wait()
+                return
+            if self.nccl:
+                self._poll(work, what)
                 work.wait()
                 return
             while True:
@@ -199,6 +255,21 @@ class Ranks:
                                      f"left the collective: {failed[1]} (its own error says more)")
         except RuntimeError as exc:
             raise self._failed(what, exc) from exc
+
+    def _poll(self, work: Any, what: str) -> None:
+        """Return once `work` completed, looking at the store every `_POLL`: NCCL's `wait()` only orders the
+        compute stream after the collective, so a rank that left would be noticed at the next synchronisation,
+        which would then never return."""
+        pause, looked = 1e-4, time.monotonic()
+        while not work.is_completed():
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+            if time.monotonic() - looked >= _POLL.total_seconds():
+                looked = time.monotonic()
+                failed = self.failure()
+                if failed is not None:
+                    raise RanksError(f"rank {self.rank} of {self.world}: {what}: rank {failed[0]} failed and "
+                                     f"left the collective: {failed[1]} (its own error says more)")
 
     def _failed(self, what: str, exc: BaseException) -> RanksError:
         failed = self.failure()
@@ -236,8 +307,7 @@ class Ranks:
                                           mine if r == self.rank else rows[r - (r > self.rank)],
                                           self._global(r), async_op=True) for r in range(self.world)])
         else:
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
-            work = self._run("gathering a unit", gather, out, mine, async_op=True)
+            work = self._run("gathering a unit", _gather_into_tensor(), out, mine, async_op=True)
         self.traffic.gathered_bytes += (self.world - 1) * mine.numel() * mine.element_size()
         return work
 
@@ -261,7 +331,10 @@ class Ranks:
                                 for r in range(self.world)])
         else:
             scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            work = self._run(what, scatter, out, rows, async_op=True)  # SUM: gloo has no AVG
+            dst = self._staged(out)
+            work = self._run(what, scatter, dst, rows, async_op=True)  # SUM: gloo has no AVG
+            if dst is not out:
+                work = _CopiedBack(work, [(dst, out)])
         self.traffic.reduced_bytes += rows.numel() * rows.element_size()
         self.traffic.reduce_seconds += time.perf_counter() - t0
         return work
@@ -282,8 +355,11 @@ class Ranks:
         import torch.distributed as dist
 
         what = f"an all-reduce ({op})"
-        self._wait(self._run(what, dist.all_reduce, t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+        wire = self._staged(t)
+        self._wait(self._run(what, dist.all_reduce, wire, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
                              async_op=True), what)
+        if wire is not t:
+            t.copy_(wire)
         return t
 
     def barrier(self) -> None:
@@ -295,9 +371,27 @@ class Ranks:
         """Every rank's `obj` (picklable), in rank order."""
         import torch.distributed as dist
 
+        if self.device_only:
+            return self._all_gather_pickled(what, obj)
         every: list[Any] = [None] * self.world
         self._run(what, dist.all_gather_object, every, obj)
         return every
+
+    def _all_gather_pickled(self, what: str, obj: Any) -> list[Any]:
+        """`all_gather_object` through device memory: torch's makes its tensors where the backend says, which
+        a device-only backend registered for the CPU refuses (see [Note: collectives on NCCL])."""
+        data = pickle.dumps(obj)
+        mine = self._staged(torch.tensor([len(data)], dtype=torch.int64))
+        sizes = self.scratch(8 * self.world, mine).view(torch.int64)
+        self._wait(self._run(what, _gather_into_tensor(), sizes, mine, async_op=True), what)
+        lengths = sizes.tolist()
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mine = self._staged(padded)
+        rows = self.scratch(padded.numel() * self.world, mine)
+        self._wait(self._run(what, _gather_into_tensor(), rows, mine, async_op=True), what)
+        rows = rows.view(self.world, -1).cpu()
+        return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
     def check_same(self, what: str, value: str) -> None:
         """Raise RanksError on every rank unless all ranks pass the same `value` (e.g. a config's text)."""
@@ -309,6 +403,13 @@ class Ranks:
                              "enter tiered_offload with the same config and the same model")
 
 
+def _gather_into_tensor() -> Any:
+    """torch.distributed's all-gather into one tensor, by its newer name where it has it."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _AllOf:
     """Several collectives' works, waited for together."""
 
@@ -318,6 +419,26 @@ class _AllOf:
     def wait(self, timeout: datetime.timedelta | None = None) -> None:
         for w in self.works:  # one that timed out is waited for again from the first: the done ones return at once
             w.wait() if timeout is None else w.wait(timeout=timeout)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+class _CopiedBack:
+    """A collective into device copies of host tensors, each (copy, tensor) copied back once it is waited for."""
+
+    def __init__(self, work: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.work = work
+        self.pairs = pairs  # emptied once copied back: a later wait has nothing to do
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+        for wire, host in self.pairs:
+            host.copy_(wire)
+        self.pairs = []
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
 
 
 # -- the layout of a rank's share ------------------------------------------------------------------------
@@ -337,9 +458,11 @@ class Gathering:
 
 
 def start_gather(ranks: Ranks, mine: torch.Tensor, chunks: Layout) -> Gathering:
-    """Start all-gathering the ranks' partitions (`mine`: this rank's, laid out as `chunks`)."""
-    rows = torch.empty(ranks.rows_received * chunks.size, dtype=torch.uint8, device=mine.device)
-    return Gathering(rows, ranks.start_all_gather(rows, mine[: chunks.size]), mine)
+    """Start all-gathering the ranks' partitions (`mine`: this rank's, laid out as `chunks`; a host partition
+    goes through a device copy where the group takes device memory only)."""
+    mine = ranks._staged(mine[: chunks.size])
+    rows = ranks.scratch(ranks.rows_received * chunks.size, mine)
+    return Gathering(rows, ranks.start_all_gather(rows, mine), mine)
 
 
 def finish_gather(ranks: Ranks, g: Gathering, chunks: Layout, full: Layout, out: torch.Tensor) -> None:
@@ -402,7 +525,8 @@ def start_scatter_sum(ranks: Ranks, whole: dict[str, torch.Tensor], chunks: Layo
     """Start reduce-scattering whole tensors (by name; `whole` is emptied as they are laid out, so each goes
     as soon as it is copied) into `out` (fp32 bytes laid out as `chunks`): once `finish_scatter_sum` returns,
     it holds this rank's chunk of each, averaged over the ranks. Names missing from `whole` count as zeros."""
-    rows = torch.empty(ranks.world, chunks.size // 4, dtype=torch.float32, device=out.device)
+    rows = ranks.scratch(ranks.world * (chunks.size // 4) * 4, out)
+    rows = rows.view(torch.float32).view(ranks.world, -1)
     for start, end in chunks.outside(whole.keys()):  # the gaps between tensors' chunks are summed too
         rows[:, start // 4 : end // 4].zero_()
     for c in chunks.slots:

@@ -44,7 +44,7 @@ from tiermem.runtime.unit import Unit
 from tiermem.runtime.wrap import UnitPlan, WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size
 from tiermem.swap import Layout, TensorSwapper, Tier
-from tiermem.swap.transfers import mover_class
+from tiermem.swap.transfers import make_mover, mover_class
 from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -406,6 +406,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     ranks = Ranks.of(process_group).for_entry()
     raised = False  # the with-block raised: with several ranks, exit cannot count on the others to gather
     config = _rank_paths(load_config(config, **overrides), ranks)
+    ranks = ranks.on_device(make_mover(resolve_device(config.device)))  # see [Note: collectives on NCCL]
     # before the swapper: with nvme, the activations' buffer is carved out of the host pool it makes
     config, activations_why = _choose_activations_tier(config, model, optimizer, ranks)
     config, weights_why = choose_path_weights(config)
