@@ -19,14 +19,21 @@ backward the way a GPU does:
   dtype, -1 in every signed integer one), so a destination read before its event is waited on gives NaN,
   and the source's checksum taken at submission is checked again when the copy is made, so a source
   written (or handed back to the host pool and refilled) before its copy completed is a `CopyRaceError`,
-  raised by the event's `synchronize()` and kept in `CopyingDevice.faults` for the tests to check.
+  raised by the event's `synchronize()` and kept in `CopyingDevice.faults` for the tests to check. A source
+  that an earlier copy on the same stream still writes is fingerprinted once that copy has landed, as stream
+  order allows. The stream keeps both tensors until the copy lands (as CUDA's allocator keeps memory a
+  stream still uses) and makes it under the caller's inference mode (CUDA enqueues from the caller).
 - Backward runs on another thread. CUDA's autograd engine runs a CUDA graph's backward (hooks, and the
   unpacking of saved tensors) on its own device thread while the caller waits in C++, so thread-local
   state set in forward is absent there and a signal is handled by the caller only once backward returns.
   PyTorch has no setting that makes the CPU engine do so, so while the copying device is open
   `torch.autograd`'s call into the engine is routed through a new thread, the caller waiting on it and
-  holding back an interrupt until it ends (`_backward_on_device_thread`). This is the one place tiermem
-  replaces a torch function, and only under this switch for tests, never for a user.
+  holding back every signal that has a Python handler until it ends (`_backward_on_device_thread`); the
+  thread gets the caller's grad mode, Python dispatch and function modes and context, as CUDA's engine hands
+  its device thread the caller's thread-local state. This is the one place tiermem replaces a torch
+  function, and only under this switch for tests, never for a user.
+- It can have a capacity: allocations past it raise torch.OutOfMemoryError, and `free_bytes()` answers what
+  `torch.cuda.mem_get_info` answers on CUDA.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ class Partition:
         self.host: PoolBuffer | None = None  # the host buffer, while host_state is not NONE
         self.device_data: torch.Tensor | None = None  # separate device memory (CUDA, copying device); else None
         self.ready_event: object | None = None  # CUDA event of the last copy to the device, waited by compute
+        # the event of the last copy to the device, which reads the host buffer: kept when the device copy is
+        # dropped (the copy may still run), waited for before the buffer goes back to the pool or moves
+        self.host_read_by: object | None = None
         self.extent: Extent | None = None  # where it rests on NVMe (home nvme only)
         self.checksum: int | None = None  # nvme.checksum: CRC-32 of the first `nbytes` last written, checked on reads
         self.dirty = False  # the host copy is newer than the NVMe copy (or there is no NVMe copy yet)
@@ -151,11 +154,17 @@ class Partition:
         self._views.pop("host", None)
         return old
 
+    def copying_from_host(self, event: object | None) -> None:
+        """A copy of the host buffer to the device started; `event` marks its end."""
+        self.ready_event = self.host_read_by = event
+
     def wait_copy_from_host(self) -> None:
         """Block until the last copy to the device, which reads the host buffer, has landed: a buffer handed
-        back to the pool before then is refilled under the copy (see [Note: device copies])."""
-        if self.ready_event is not None and self.device_data is not None:
-            self.ready_event.synchronize()  # type: ignore[attr-defined]
+        back to the pool before then is refilled under the copy (see [Note: device copies]), even when its
+        device copy was dropped meanwhile."""
+        if self.host_read_by is not None:
+            self.host_read_by.synchronize()  # type: ignore[attr-defined]
+            self.host_read_by = None
 
     def mark_dirty(self, end: int | None = None) -> None:
         """The host copy changed in its first `end` bytes (default: anywhere); only NVMe partitions have a
@@ -178,6 +187,7 @@ class Partition:
         if self.host is not None:
             ledger.sub("host", self.size, arena=self.arena)
         self.host = None
+        self.host_read_by = None  # the swapper waited for every copy before closing
         self.host_state = HostState.NONE
         self._views.clear()
 
@@ -194,7 +204,7 @@ class Partition:
         if self.device_state is not DeviceState.COPYING:
             raise StateError(f"partition {self.name!r} is {self.state.value}, not copying to the device")
         self.device_data = data
-        self.ready_event = event
+        self.copying_from_host(event)
         self.device_state = DeviceState.READY
 
     def drop_device(self, ledger: Ledger) -> None:

@@ -525,7 +525,7 @@ class TensorSwapper:
                 if tracer is not None:
                     tracer.copy("host", part.name, began, part.size)
             elif tier == Tier.HOST and device is not None and host is not None:
-                part.ready_event = self.mover.to_device_into(host.tensor(), device)
+                part.copying_from_host(self.mover.to_device_into(host.tensor(), device))
                 if tracer is not None:
                     tracer.copy("device", part.name, began, part.size)
         with self._lock:
