@@ -477,3 +477,25 @@ def test_a_device_budget_past_the_devices_free_memory_is_refused_at_entry(tmp_pa
     assert "has free" in str(info.value) and ("prefetch" in str(info.value)) == (budget is None)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_a_demoted_prefetch_keeps_its_host_buffer_until_its_copy_lands(tmp_path) -> None:
+    """A partition fetched ahead to the device and demoted before its copy landed, then evicted: its host
+    buffer goes back to the pool only once that copy has read it, so the next read into those bytes races no
+    copy (before, the copy's source was refilled under it)."""
+    with copying_device(delay_s=(0.05, 0.05)) as d, \
+            TensorSwapper(**cfg(tmp_path, **{"memory.host_budget": "64KiB"})) as sw:
+        faults = len(d.faults)
+        part = sw.add("a", {"w": torch.full((4096,), 1.0)}, home="nvme")
+        sw.evict(part).wait()
+        sw.prefetch(part, Tier.DEVICE).wait()
+        sw.pump()  # the host bytes are in: the copy to the device starts, landing 50 ms later
+        assert part.ready_event is not None and not sw.mover.done(part.ready_event)
+        sw.demote(part)
+        sw.evict(part).wait()
+        other = sw.add("b", {"w": torch.full((4096,), 2.0)}, home="nvme")  # into the bytes just freed
+        assert other.host is not None and other.host.offset == 0
+        sw.mover.close()  # every copy has landed
+        assert len(d.faults) == faults
+        assert torch.equal(sw.acquire(other, Tier.HOST)["w"], torch.full((4096,), 2.0))
+        sw.release(other)

@@ -888,3 +888,33 @@ def test_a_rank_that_raises_leaves_each_ranks_share_and_they_join_into_a_checkpo
     with pytest.raises(CheckpointError, match="no rescue.json; not a tiermem rescue directory"):
         join([dirs[0], str(tmp_path)], tmp_path / "partial")
 
+
+
+def _polled_wait_sees_a_failed_rank(rank: int, world: int, folder: Path) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from tiermem import RanksError
+
+    ranks = Ranks.of().on_device(make_mover(torch.device("cpu"))).for_entry()
+    if rank == 1:  # raised, announced it, and stays alive without joining the all-reduce
+        ranks.announce(ValueError("rank 1 failed in its forward"))
+        while not (folder / "done0").exists():
+            time.sleep(0.05)
+        return
+    flag = ranks._staged(torch.ones(1))
+    work = dist.all_reduce(flag, async_op=True)
+    t0 = time.monotonic()
+    with pytest.raises(RanksError, match="rank 1 failed and left the collective: ValueError: rank 1 failed"):
+        ranks._poll(work, "an all-reduce")
+    (folder / "done0").write_text(f"{time.monotonic() - t0:.2f}")
+
+
+def test_on_nccl_a_wait_that_asks_whether_the_work_completed_sees_a_rank_that_failed(
+        tmp_path, rank_backend: str) -> None:
+    """The wait NCCL gets (`Ranks._poll`: NCCL's `wait()` does not block the host, so the work is asked whether
+    it completed) ends with a RanksError naming a rank that announced a failure and stays alive, within a few
+    of its 0.2 s looks at the store, on a real process group's work."""
+    run_ranks(_polled_wait_sees_a_failed_rank, 2, tmp_path, timeout_s=60, backend=rank_backend)
+    assert float((tmp_path / "done0").read_text()) < 5.0
