@@ -19,7 +19,7 @@
 #      I/O engine tiermem will use: io_uring, or the threads engine only where the kernel refuses io_uring
 #      (said, not a failure); a core that cannot load is a failure;
 #   2. tests: on cuda the tests that need CUDA (tests/ files that ask torch.cuda.is_available(), tests named
-#      *cuda*), on copy the copying device's own (tests/test_device.py); log in $OUT/pytest.log;
+#      *cuda*), on copy those of its strictness (tests/test_strict_device.py); log in $OUT/pytest.log;
 #   3. bench/gpu_check.py: host<->device GB/s (pinned and pageable, torch's and tiermem's), whether the pool
 #      was page-locked and copies overlap compute, `tiermem bench io` on the work directory, a
 #      GPT-2-medium-shaped fp16 model streamed from NVMe against it in device memory (logits, tokens,
@@ -138,7 +138,7 @@ note "2. tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
     case $device in
         cuda*) mapfile -t files < <(grep -l "torch.cuda.is_available" tests/test_*.py); select=(-k cuda) ;;
-        copy) files=(tests/test_device.py); select=() ;;
+        copy) files=(tests/test_strict_device.py); select=() ;;
         *) files=(); select=() ;;
     esac
     if [ ${#files[@]} -gt 0 ]; then

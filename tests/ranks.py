@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing
 import os
 import traceback
 from collections.abc import Callable
@@ -18,6 +19,10 @@ from typing import Any
 import torch.multiprocessing as mp
 
 BACKENDS = ("gloo", "strict")
+# Ranks start from a fork server that has imported these once (a rank spawned afresh spent about 4 of its
+# 5-10 s importing them); it starts at the first run_ranks, with the environment of that moment.
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "transformers.models.gpt2.modeling_gpt2",
+                                        "tiermem", "tests.ranks", "tests.strict_group"])
 
 
 def _entry(rank: int, world: int, fn: Callable[..., Any], folder: str, args: tuple[Any, ...],
@@ -54,7 +59,7 @@ def run_ranks(fn: Callable[..., Any], world: int, folder: Path, *args: Any, time
     folder.mkdir(parents=True, exist_ok=True)
     try:
         mp.start_processes(_entry, args=(world, fn, str(folder), args, timeout_s, backend), nprocs=world,
-                           start_method="spawn")
+                           start_method="forkserver")
     except mp.ProcessRaisedException as exc:
         errors = sorted(folder.glob("rank*.error"))
         detail = "\n".join(f"--- {e.name}\n{e.read_text()}" for e in errors)

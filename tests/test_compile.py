@@ -143,7 +143,10 @@ def _compiled_ddp_on_a_rank(rank: int, world: int, folder: Path) -> None:
     want, want_w = run("memory")
     for where in ("made-before", "made-inside"):
         got, got_w = run(where)
-        assert got == want, (where, got, want)
+        # the first loss comes before any update: the same bits; the tiers reduce-scatter where DDP all-reduces,
+        # the same sums rounded apart (the weights below), so later losses agree to float32's rounding of those
+        assert got[0] == want[0], (where, got, want)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=lambda m: f"{where}: {m}")
         for n in want_w:  # the tiers reduce-scatter where DDP all-reduces: the same sums, rounded apart
             torch.testing.assert_close(got_w[n], want_w[n], rtol=0, atol=1e-6, msg=f"{where}: {n}")
 
@@ -151,8 +154,8 @@ def _compiled_ddp_on_a_rank(rank: int, world: int, folder: Path) -> None:
 def test_a_compiled_ddp_model_on_two_ranks_trains_as_compiled_ddp_in_memory(tmp_path) -> None:
     """torch.compile (aot_eager) of DistributedDataParallel(model) on 2 gloo ranks, the DDP made before the
     context (a torchrun script's) or inside it, three clipped AdamW steps on each rank's own batches: the losses
-    equal those of the same compiled DDP in memory, and the weights to 1e-6, with the model sharded over the
-    ranks' tiers."""
+    equal those of the same compiled DDP in memory (the first bit for bit, the later ones to 1e-6 relative: the
+    weights they follow agree to 1e-6), with the model sharded over the ranks' tiers."""
     from tests.ranks import run_ranks
 
     run_ranks(_compiled_ddp_on_a_rank, 2, tmp_path, timeout_s=300)

@@ -14,7 +14,7 @@ as CUDA's device mismatch would.
 The copying device is only worth its keep where it is at least as strict as CUDA, so it copies and runs
 backward the way a GPU does:
 - Copies are asynchronous. Each mover has a copy stream (`CopyStream`): a thread that makes the copies
-  in submission order, each after a seeded random delay, and sets the copy's event (`CopyEvent`) when it
+  in submission order, some after a seeded random delay, and sets the copy's event (`CopyEvent`) when it
   has landed. Until then the destination holds a poison pattern (every byte 0xFF: NaN in every floating
   dtype, -1 in every signed integer one), so a destination read before its event is waited on gives NaN,
   and the source's checksum taken at submission is checked again when the copy is made, so a source
@@ -104,7 +104,10 @@ class CopyingDevice:
         self.peak_bytes = 0  # the most `live_bytes` since reset_peak()
         self.faults: list[CopyRaceError] = []  # races the copy streams caught; a test fails on any
         self.seed = 0  # the copy streams' delays come from here (each stream its own Random, seeded in turn)
-        self.delay_s = (0.0, 0.002)  # a copy lands after a delay drawn from this range ([Note: as strict as a GPU])
+        # a copy lands after a delay drawn from `delay_s`, for a `delayed` share of the copies (the others at once):
+        # long windows for races to show in, at a tenth of the time every copy delayed took ([Note: as strict as a GPU])
+        self.delay_s = (0.0002, 0.003)
+        self.delayed = 0.15
         self.streams_made = 0  # streams made so far: the next one's seed is `seed + streams_made`
         self.backward_threads = 0  # backward passes run on a device thread (a test checks it happened)
         self.capacity: int | None = None  # the device's memory, as a card's (None: unbounded)
@@ -148,13 +151,14 @@ def copying_device(*, seed: int | None = None, delay_s: tuple[float, float] | No
                    capacity: int | None = None) -> Iterator[CopyingDevice]:
     """While open, swappers made for the CPU compute device copy into tracked tensors, asynchronously, and
     backward runs on a device thread (for tests and bench/gpu_check.py; see [Note: copying test device] and
-    [Note: as strict as a GPU]). `seed` and `delay_s` (least, most) set the copies' random delays while open,
+    [Note: as strict as a GPU]). `seed` and `delay_s` (least, most: then every copy is delayed) set the copies'
+    random delays while open,
     `capacity` the device's memory in bytes (an allocation past it raises torch.OutOfMemoryError, as CUDA's)."""
-    saved = (_DEVICE.seed, _DEVICE.delay_s, _DEVICE.streams_made, _DEVICE.capacity)
+    saved = (_DEVICE.seed, _DEVICE.delay_s, _DEVICE.delayed, _DEVICE.streams_made, _DEVICE.capacity)
     if seed is not None:
         _DEVICE.seed, _DEVICE.streams_made = seed, 0
-    if delay_s is not None:
-        _DEVICE.delay_s = delay_s
+    if delay_s is not None:  # every copy delayed so
+        _DEVICE.delay_s, _DEVICE.delayed = delay_s, 1.0
     if capacity is not None:
         _DEVICE.capacity = capacity
     _DEVICE.enabled += 1
@@ -167,7 +171,7 @@ def copying_device(*, seed: int | None = None, delay_s: tuple[float, float] | No
         if _DEVICE.enabled == 0:
             torch.autograd._engine_run_backward = _ENGINE_RUN_BACKWARD
         if seed is not None or delay_s is not None or capacity is not None:
-            _DEVICE.seed, _DEVICE.delay_s, _DEVICE.streams_made, _DEVICE.capacity = saved
+            _DEVICE.seed, _DEVICE.delay_s, _DEVICE.delayed, _DEVICE.streams_made, _DEVICE.capacity = saved
 
 
 POISON = 0xFF  # every byte of a copy's destination until it lands: NaN in floating dtypes, -1 in signed ones
@@ -239,7 +243,7 @@ class CopyStream:
             self._pending[event] = (dst.data_ptr(), dst.data_ptr() + dst.numel())
         before = None if waits else _checksum(src)
         dst.fill_(POISON)
-        delay = self._rng.uniform(*_DEVICE.delay_s)
+        delay = self._rng.uniform(*_DEVICE.delay_s) if self._rng.random() < _DEVICE.delayed else 0.0
         # made under the caller's inference mode, as CUDA enqueues the copy from the caller's thread (a tensor made
         # in inference mode may only be written to there)
         self._queue.put((dst, src, before, event, delay, what, torch.is_inference_mode_enabled()))
