@@ -146,7 +146,7 @@ def _compiled_ddp_on_a_rank(rank: int, world: int, folder: Path) -> None:
         # the first loss comes before any update: the same bits; the tiers reduce-scatter where DDP all-reduces,
         # the same sums rounded apart (the weights below), so later losses agree to float32's rounding of those
         assert got[0] == want[0], (where, got, want)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=lambda m: f"{where}: {m}")
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"{where}: {got} against {want}")
         for n in want_w:  # the tiers reduce-scatter where DDP all-reduces: the same sums, rounded apart
             torch.testing.assert_close(got_w[n], want_w[n], rtol=0, atol=1e-6, msg=f"{where}: {n}")
 
