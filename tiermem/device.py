@@ -162,13 +162,13 @@ def copying_device(*, seed: int | None = None, delay_s: tuple[float, float] | No
     if capacity is not None:
         _DEVICE.capacity = capacity
     _DEVICE.enabled += 1
-    if _DEVICE.enabled == 1:
+    if _DEVICE.enabled == 1 and _ENGINE_RUN_BACKWARD is not None:
         torch.autograd._engine_run_backward = _backward_on_device_thread
     try:
         yield _DEVICE
     finally:
         _DEVICE.enabled -= 1
-        if _DEVICE.enabled == 0:
+        if _DEVICE.enabled == 0 and _ENGINE_RUN_BACKWARD is not None:
             torch.autograd._engine_run_backward = _ENGINE_RUN_BACKWARD
         if seed is not None or delay_s is not None or capacity is not None:
             _DEVICE.seed, _DEVICE.delay_s, _DEVICE.delayed, _DEVICE.streams_made, _DEVICE.capacity = saved
@@ -291,7 +291,9 @@ class CopyStream:
         self._thread = None
 
 
-_ENGINE_RUN_BACKWARD: Callable[..., Any] = torch.autograd._engine_run_backward
+# torch.autograd's one call into its engine (torch 2.3 on; before it, the copying device runs backward on the
+# caller's thread)
+_ENGINE_RUN_BACKWARD: Callable[..., Any] | None = getattr(torch.autograd, "_engine_run_backward", None)
 _on_device_thread = threading.local()  # `.active`: this thread runs a backward pass for its caller
 
 
@@ -316,8 +318,10 @@ def _signals_held() -> Iterator[list[tuple[int, Any]]]:
 def _backward_on_device_thread(*args: Any, **kwargs: Any) -> Any:
     """`torch.autograd`'s call into its engine, run on a thread of its own as CUDA's device thread runs it (see
     [Note: as strict as a GPU]); a backward started from inside one (reentrant checkpointing) runs there."""
+    engine = _ENGINE_RUN_BACKWARD
+    assert engine is not None  # installed only where torch has it
     if getattr(_on_device_thread, "active", False):
-        return _ENGINE_RUN_BACKWARD(*args, **kwargs)
+        return engine(*args, **kwargs)
     outcome: dict[str, Any] = {}
     # what CUDA's engine hands its device thread of the caller's state (its ThreadLocalState): grad mode, the
     # Python dispatch and function modes, and the context torch.compile reads its settings from
@@ -331,7 +335,7 @@ def _backward_on_device_thread(*args: Any, **kwargs: Any) -> Any:
             with torch.set_grad_enabled(grad_mode), ExitStack() as stack:
                 for mode in modes:
                     stack.enter_context(mode)
-                outcome["value"] = context.run(_ENGINE_RUN_BACKWARD, *args, **kwargs)
+                outcome["value"] = context.run(engine, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, as the engine hands a hook's error
             outcome["error"] = exc
 
