@@ -270,3 +270,26 @@ def test_pool_is_registered_only_after_the_model_is_packed(tmp_path) -> None:
         model(torch.randint(0, 500, (1, 8)))
         assert tm.stats()["bytes_read"] > 0  # the model is larger than the budget: forward reads it
         assert tm.swapper.engine.core_stats()["fixed_chunks"] > 0  # type: ignore[attr-defined]
+
+
+def test_deepcopy_inside_the_context_is_refused_by_name_and_works_after(tmp_path) -> None:
+    """copy.deepcopy() of the model or a submodule inside the context raises OffloadError saying why and what to
+    do (before: "cannot pickle '_thread.RLock' object"); the model is untouched, and after exit deepcopy makes
+    a working copy again."""
+    import copy
+
+    model = models.gpt2(layers=2, width=64).eval()
+    ids = torch.randint(0, 500, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    with tiered_offload(model, **cfg(tmp_path)):
+        for what in (model, model.transformer.h[0]):
+            with pytest.raises(OffloadError, match=r"copy.deepcopy\(\) of a module inside tiered_offload.*"
+                                                   r"Copy the model before entering the context or after it ends"):
+                copy.deepcopy(what)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref)
+    twin = copy.deepcopy(model)
+    assert "__deepcopy__" not in vars(twin) and "__deepcopy__" not in vars(model.transformer.h[0])
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, ref)

@@ -52,6 +52,14 @@ log = logging.getLogger(__name__)
 _ATTR = "_tiermem_offload"  # set on a model while it is inside tiered_offload
 
 
+def _refuse_deepcopy(memo: dict[int, Any]) -> None:
+    """A module's `__deepcopy__` while it is inside tiered_offload."""
+    raise OffloadError("copy.deepcopy() of a module inside tiered_offload: its parameters are placeholders whose "
+                       "values live in tiermem's tiers, so a copy would hold none of them. Copy the model before "
+                       "entering the context or after it ends; inside it, model.state_dict() and "
+                       "tm.save_checkpoint(dir) give the values")
+
+
 class OffloadHandle:
     """What `with tiered_offload(...) as tm` yields: statistics and controls of the running offload."""
 
@@ -442,6 +450,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         for mod in model.modules():  # every submodule too: none of them may enter another context
             setattr(mod, _ATTR, handle)
         handle._unit_of = {id(p): u.index for u in runtime.units for _, p in u.params}
+        for mod in model.modules():  # a copy of one holding a placeholder would hold no value
+            if any(id(p) in handle._unit_of for p in mod.parameters()):
+                mod.__dict__["__deepcopy__"] = _refuse_deepcopy  # copy.deepcopy() looks on the instance first
         owners = {id(m): m for m in model.modules() for p in m._parameters.values() if p is not None
                   and id(p) in handle._unit_of}
         for m in owners.values():  # (partials: torch marks a state_dict hook with an attribute)
@@ -520,6 +531,8 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                 for mod in model.modules():
                     if getattr(mod, _ATTR, None) is handle:
                         delattr(mod, _ATTR)
+                    if mod.__dict__.get("__deepcopy__") is _refuse_deepcopy:
+                        del mod.__dict__["__deepcopy__"]
             try:
                 swapper.close()
             finally:
