@@ -230,6 +230,31 @@ def test_checkpoint_mismatch_is_a_clear_error(tmp_path) -> None:
             pass
 
 
+@pytest.mark.parametrize("pickled", ["torch.save", "pickle"])
+def test_a_pickle_checkpoint_is_refused_saying_how_to_convert_it(tmp_path, pickled: str) -> None:
+    """checkpoint= given a torch.save file (a zip archive) or a bare pickle says that is what it is and how to
+    convert it to safetensors (before: "header of 578712552184433488 bytes"); the model is left as it was."""
+    import pickle
+
+    from accelerate import init_empty_weights
+
+    from tiermem.errors import CheckpointError
+
+    state = models.gpt2(width=64).state_dict()
+    path = tmp_path / "model.bin"
+    if pickled == "torch.save":
+        torch.save(state, path)
+    else:
+        path.write_bytes(pickle.dumps({k: v.numpy() for k, v in state.items()}, protocol=4))
+    with init_empty_weights(include_buffers=False):
+        model = models.gpt2().__class__(models.gpt2(width=64).config)
+    with pytest.raises(CheckpointError, match=r"model.bin: a torch.save / pickle file, not safetensors.*"
+                                           r"safetensors.torch.save_file\(torch.load\(PATH\)"):
+        with tiered_offload(model, checkpoint=str(path), **cfg(tmp_path)):
+            pass
+    assert all(p.is_meta for p in model.parameters())
+
+
 def test_dtype_override_computes_in_that_dtype(tmp_path) -> None:
     """params.dtype bfloat16 stores and computes in bf16 (equal to model.to(bf16)); exit restores fp32."""
     model = models.Skippy().eval()
