@@ -88,14 +88,14 @@ class SafetensorsCheckpoint:
                 raw = f.read(8)
                 if len(raw) != 8:
                     raise CheckpointError(f"{path}: too short to be a safetensors file")
-                if raw.startswith(b"PK\x03\x04") or raw[0] == 0x80:  # torch.save's zip archive, or a bare pickle
-                    raise CheckpointError(
-                        f"{path}: a torch.save / pickle file, not safetensors; checkpoint= reads safetensors only "
-                        "(they need no unpickling and can be read in place). Convert it once: "
-                        "safetensors.torch.save_file(torch.load(PATH), 'model.safetensors'), or save the model "
-                        "with save_pretrained() (safetensors by default)")
                 (n,) = struct.unpack("<Q", raw)
                 if n > MAX_HEADER:
+                    if raw.startswith(b"PK\x03\x04") or raw[0] == 0x80:  # torch.save's zip archive, a bare pickle
+                        raise CheckpointError(
+                            f"{path}: a torch.save / pickle file, not safetensors; checkpoint= reads safetensors "
+                            "only (they need no unpickling and can be read in place). Convert it once: "
+                            "safetensors.torch.save_file(torch.load(PATH), 'model.safetensors'), or save the model "
+                            "with save_pretrained() (safetensors by default)")
                     raise CheckpointError(f"{path}: header of {n} bytes; the file is not safetensors or is corrupt")
                 raw_header = f.read(n)
                 if len(raw_header) != n:
