@@ -1046,22 +1046,27 @@ def _swap_in_optimizer(optimizer: torch.optim.Optimizer | None, replaced: dict[i
 
 def _move_buffers(model: nn.Module, sources: WeightSources, swapper: TensorSwapper,
                   moved: list[tuple[nn.Module, str, torch.device]]) -> None:
-    """Buffers stay resident on the compute device (they are small); meta buffers come from the checkpoint,
-    or their module's initialiser (see [Note: weight sources]). Each one moved is added to `moved` with the
-    device to give it back on (the CPU for a meta buffer)."""
+    """Buffers stay resident on the compute device (they are small). With a checkpoint, every persistent
+    buffer it holds comes from it, as every parameter does: BatchNorm's running statistics of a model built
+    under accelerate's init_empty_weights() are real but freshly initialised, and the checkpoint's are the
+    trained ones. Meta buffers it lacks come from their module's initialiser (see [Note: weight sources]).
+    Each one moved is added to `moved` with the device to give it back on (the CPU for a meta buffer)."""
     for mod_name, mod in model.named_modules():
         for name, buf in list(mod._buffers.items()):
             if buf is None:
                 continue
             fqn = f"{mod_name}.{name}" if mod_name else name
-            if buf.is_meta:
-                found = sources.checkpoint_name(fqn)
-                if found is not None and sources.ckpt is not None:
-                    real = torch.empty(buf.shape, dtype=buf.dtype)
-                    sources.ckpt.read_into(swapper.engine, found, real)
-                elif name in mod._non_persistent_buffers_set or sources.allowed(fqn):
+            persistent = name not in mod._non_persistent_buffers_set
+            found = sources.checkpoint_name(fqn) if persistent or buf.is_meta else None
+            origin = torch.device("cpu") if buf.is_meta else buf.device
+            if found is not None and sources.ckpt is not None:
+                real = torch.empty(buf.shape, dtype=buf.dtype)
+                sources.ckpt.read_into(swapper.engine, found, real)
+                buf = real
+            elif buf.is_meta:
+                if not persistent or sources.allowed(fqn):
                     try:
-                        real = sources.initialise([fqn])[fqn]
+                        buf = sources.initialise([fqn])[fqn]
                     except CheckpointError as exc:
                         raise OffloadError(f"buffer {fqn!r} is on the meta device and not in the checkpoint, and "
                                            f"cannot be initialised ({exc}); build the model with real buffers "
@@ -1070,8 +1075,7 @@ def _move_buffers(model: nn.Module, sources: WeightSources, swapper: TensorSwapp
                     raise OffloadError(f"buffer {fqn!r} is on the meta device and not in the checkpoint; build the "
                                        "model with real buffers (e.g. accelerate's init_empty_weights("
                                        "include_buffers=False)), or allow it with init_missing")
-                buf = real
-            moved.append((mod, name, buf.device))
+            moved.append((mod, name, origin))
             mod._buffers[name] = swapper.mover.tensor_to_device(buf)
 
 
