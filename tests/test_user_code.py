@@ -3,13 +3,15 @@ gives what it gives without tiermem, or is refused by a tiermem error that names
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
 
-from tiermem import tiered_offload
+from tiermem import OffloadError, tiered_offload
 
-pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
+on_each_device = pytest.mark.usefixtures("compute_device")  # the test on the CPU and the copying device
 
 
 def cfg(tmp_path, **extra) -> dict:
@@ -42,6 +44,7 @@ def _trained_batchnorm_model() -> ModelForTest:
     return model.eval()
 
 
+@on_each_device
 def test_init_empty_weights_model_loads_the_checkpoints_buffers(tmp_path) -> None:
     """accelerate's init_empty_weights() leaves buffers real (freshly initialised): with checkpoint= the
     checkpoint's running statistics are used, as from_pretrained / load_checkpoint_and_dispatch would (before:
@@ -64,6 +67,7 @@ def test_init_empty_weights_model_loads_the_checkpoints_buffers(tmp_path) -> Non
         assert torch.equal(dict(model.named_buffers())[name], buf), name
 
 
+@on_each_device
 def test_resnet_built_under_init_empty_weights_equals_from_pretrained(tmp_path) -> None:
     """transformers' ResNetForImageClassification (BatchNorm in every block) from its checkpoint (before:
     logits off by 1.24)."""
@@ -87,3 +91,91 @@ def test_resnet_built_under_init_empty_weights_equals_from_pretrained(tmp_path) 
     with tiered_offload(model, checkpoint=str(tmp_path / "resnet" / "model.safetensors"), **cfg(tmp_path)):
         with torch.no_grad():
             assert torch.equal(model(pixels).logits, ref)
+
+
+@on_each_device
+@pytest.mark.parametrize("convert", ["to(float64)", "half()", "to(meta)", "float() under bf16"])
+def test_a_conversion_inside_the_context_is_refused_and_the_model_is_intact(tmp_path, convert: str) -> None:
+    """model.to(dtype) / .half() / .to(device) inside the context is refused before it touches anything, naming
+    params.dtype (before: accepted, the next forward failed, and after exit the weights were float32 and the
+    buffers float64). A conversion that changes nothing runs (the HF Trainer's model.to(args.device))."""
+    model = _trained_batchnorm_model()
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(x)
+    values = {n: t.clone() for n, t in model.state_dict().items()}
+    extra = {"params.dtype": "bfloat16"} if "bf16" in convert else {}
+    call = {"to(float64)": lambda m: m.to(torch.float64), "half()": lambda m: m.half(),
+            "to(meta)": lambda m: m.to("meta"), "float() under bf16": lambda m: m.float()}[convert]
+    with tiered_offload(model, **cfg(tmp_path, **extra)):
+        with pytest.raises(OffloadError, match=r"inside tiered_offload would make its parameters .*params.dtype"):
+            call(model)
+        with pytest.raises(OffloadError, match="params.dtype"):
+            call(model.linear1)  # a submodule too
+        assert model.to(torch.device("cpu")) is model  # no change: runs
+        if not extra:
+            with torch.no_grad():
+                assert torch.equal(model(x), ref)
+    assert {n: t.dtype for n, t in model.state_dict().items()} == {n: t.dtype for n, t in values.items()}
+    for name, t in model.state_dict().items():  # (without an optimizer, params.dtype's rounding stays)
+        want = values[name].to(torch.bfloat16).float() if extra and name.endswith(("weight", "bias")) else values[name]
+        assert torch.equal(t, want), name
+    assert model.double().linear1.weight.dtype == torch.float64  # after exit, as ever
+
+
+@on_each_device
+def test_a_4bit_bitsandbytes_base_is_refused_by_name(tmp_path) -> None:
+    """A QLoRA base (transformers' load_in_4bit with bitsandbytes, PEFT LoRA on top) is refused naming the
+    parameter, why and what to load instead (before: it trained and diverged from the same steps in memory
+    at step 2, with no error); the model is left as it was."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tests import models
+
+    models.llama(layers=2).save_pretrained(str(tmp_path / "llama"))
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama"), quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with pytest.raises(OffloadError, match=r"parameter '.*layers\.0\..*weight' is a bitsandbytes 4-bit weight .*"
+                                           r"refused .*bfloat16.*load_in_8bit"):
+        with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
+            pass
+    for name, p in model.named_parameters():
+        assert not p.is_meta and torch.equal(p.detach(), before[name]), name
+
+
+PLAN_SCRIPT = """
+import logging, sys, torch
+from tests import models
+from tiermem import tiered_offload
+if sys.argv[1] == "quiet":
+    logging.getLogger("tiermem.plan").setLevel(logging.WARNING)
+model = models.Skippy()
+with tiered_offload(model, device="cpu", **{"params.tier": "cpu", "wrap.min_unit_bytes": "1KiB"}):
+    model(torch.randn(2, 32))
+"""
+
+
+def test_the_plan_line_shows_once_at_entry_without_logging_set_up_and_can_be_silenced(tmp_path) -> None:
+    """A script that never configured logging sees at entry what went where (before: a log record default
+    logging hides); the "tiermem.plan" logger's level silences it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "plan.py"
+    script.write_text(PLAN_SCRIPT)
+    root = str(Path(__file__).resolve().parents[1])
+    shown = {}
+    for mode in ("plain", "quiet"):
+        done = subprocess.run([sys.executable, str(script), mode], cwd=root, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": root})
+        assert done.returncode == 0, done.stderr
+        shown[mode] = [line for line in done.stderr.splitlines() if "plan:" in line]
+    assert len(shown["plain"]) == 1 and shown["plain"][0].startswith("tiermem: tiered_offload plan: ")
+    assert "units on cpu; params" in shown["plain"][0]
+    assert shown["quiet"] == []

@@ -49,6 +49,23 @@ from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
 
+
+class _PlanHandler(logging.StreamHandler):
+    """Shows the plan line on stderr in a program that has not configured logging (most training scripts):
+    where the root logger has handlers, the record goes to them instead, as every other record does."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+# What went where, once at entry on rank 0; silenced by logging.getLogger("tiermem.plan").setLevel(logging.WARNING).
+plan_log = logging.getLogger("tiermem.plan")
+plan_log.setLevel(logging.INFO)
+_plan_handler = _PlanHandler()
+_plan_handler.setFormatter(logging.Formatter("tiermem: %(message)s"))
+plan_log.addHandler(_plan_handler)
+
 _ATTR = "_tiermem_offload"  # set on a model while it is inside tiered_offload
 
 
@@ -58,6 +75,41 @@ def _refuse_deepcopy(memo: dict[int, Any]) -> None:
                        "values live in tiermem's tiers, so a copy would hold none of them. Copy the model before "
                        "entering the context or after it ends; inside it, model.state_dict() and "
                        "tm.save_checkpoint(dir) give the values")
+
+
+def _guarded_apply(handle: OffloadHandle, mod: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                   recurse: bool = True) -> nn.Module:
+    """A module's `_apply` (what .to(), .half(), .float(), .cuda(), .share_memory() ... call) while it is inside
+    tiered_offload: one that would change its parameters' dtype or device is refused before it touches any;
+    one that leaves them as they are runs as ever (the HF Trainer's model.to(args.device) on the device
+    already in use)."""
+    kinds = {(ph.dtype, ph.device) for u in handle.runtime.units for ph in u.placeholders}
+    for dtype, device in sorted(kinds, key=str):
+        probe = torch.empty(0, dtype=dtype, device=device)
+        out = fn(probe)
+        if isinstance(out, torch.Tensor) and (out.dtype != dtype or out.device != device):
+            raise OffloadError(
+                f"{type(mod).__name__}.to() / .half() / .float() / .cuda() inside tiered_offload would make its "
+                f"parameters {out.dtype} on {out.device}; they are {dtype} on {device} and live in tiermem's tiers, "
+                "so they would be left as empty placeholders and the model broken after exit. To compute in "
+                "another dtype set params.dtype in the config (float32 master weights are kept); the compute "
+                "device is the config's `device`; or convert the model before entering tiered_offload or after "
+                "it ends")
+    return type(mod)._apply(mod, fn, recurse)
+
+
+def _refused_weights(model: nn.Module) -> str | None:
+    """Why the model's weights cannot go into tiers, with the fix; None when they can."""
+    for name, p in model.named_parameters():
+        kind = type(p)
+        if kind.__name__ == "Params4bit" and kind.__module__.startswith("bitsandbytes"):
+            return (f"parameter {name!r} is a bitsandbytes 4-bit weight (load_in_4bit / QLoRA): tiermem cannot hold it "
+                    "exactly (its quantisation state lives beside the tensor, and training from the tiers diverged "
+                    "from the same steps in memory), so it is refused rather than run wrong. Load the base model in "
+                    "bfloat16 (torch_dtype=torch.bfloat16; tiermem keeps what does not fit on NVMe, which is what "
+                    "4-bit saved memory for) or in 8-bit (load_in_8bit, which runs exactly), and train the LoRA "
+                    "adapters as before")
+    return None
 
 
 class OffloadHandle:
@@ -408,7 +460,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         if getattr(mod, _ATTR, None) is not None:
             raise OffloadError(f"submodule {name!r} of {type(model).__name__} is already inside tiered_offload; "
                                "offload the whole model once instead")
-    refused = unsupported(optimizer)
+    refused = unsupported(optimizer) or _refused_weights(model)
     if refused is not None:
         raise OffloadError(refused)
     ranks = Ranks.of(process_group).for_entry()
@@ -453,6 +505,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         for mod in model.modules():  # a copy of one holding a placeholder would hold no value
             if any(id(p) in handle._unit_of for p in mod.parameters()):
                 mod.__dict__["__deepcopy__"] = _refuse_deepcopy  # copy.deepcopy() looks on the instance first
+                mod.__dict__["_apply"] = functools.partial(_guarded_apply, handle, mod)
         owners = {id(m): m for m in model.modules() for p in m._parameters.values() if p is not None
                   and id(p) in handle._unit_of}
         for m in owners.values():  # (partials: torch marks a state_dict hook with an attribute)
@@ -478,7 +531,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                         "returns, for a cache that training never reads; set model.config.use_cache = False to "
                         "train in less memory", type(model).__name__)
         handle.plan = _plan(handle)
-        log.info("tiered_offload plan: %s", handle.plan_summary())
+        (plan_log.info if ranks.rank == 0 else log.debug)("tiered_offload plan: %s", handle.plan_summary())
         if config.trace.path is not None:
             handle._set_tracer(Tracer(config.to_dict()))  # written when the context ends
         try:
@@ -533,6 +586,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                         delattr(mod, _ATTR)
                     if mod.__dict__.get("__deepcopy__") is _refuse_deepcopy:
                         del mod.__dict__["__deepcopy__"]
+                    guard = mod.__dict__.get("_apply")
+                    if isinstance(guard, functools.partial) and guard.func is _guarded_apply:
+                        del mod.__dict__["_apply"]
             try:
                 swapper.close()
             finally:
