@@ -214,3 +214,194 @@ def test_a_value_that_is_neither_a_number_nor_auto_is_an_error_naming_its_key(ba
     key = next(iter(bad)) + "." + next(iter(next(iter(bad.values()))))
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         from_deepspeed(bad)
+
+
+# transformers' own tests/deepspeed/ds_config_zero3.json shape: fp16 with the loss-scaling keys, both offloads to
+# the host, no prefetching (stage3_prefetch_bucket_size 0, which DeepSpeed accepts), zero buckets, the old name
+# of the gather-on-save flag, and "auto" where the Trainer fills values in
+TRANSFORMERS_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e14,
+        "reduce_bucket_size": 0,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_fp16_weights_on_model_save": True,
+    },
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.8, 0.999], "eps": 1e-8,
+                                              "weight_decay": 3e-7}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": 500}},
+    "gradient_accumulation_steps": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "steps_per_print": 2000,
+    "wall_clock_breakdown": False,
+}
+
+
+def _cli(tmp_path, capsys, text: str) -> tuple[int, str, str]:
+    """Run `tiermem config from-deepspeed` on a ds_config.json holding `text`: (exit status, stdout, stderr)."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(text)
+    status = main(["config", "from-deepspeed", str(path)])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_transformers_test_config_maps_prefetch_bucket_zero_to_no_prefetching(tmp_path, capsys) -> None:
+    """stage3_prefetch_bucket_size 0 is DeepSpeed's "no prefetching": prefetch.depth 0 with no byte cap (before:
+    prefetch.max_bytes 0, refused by tiermem); every unmapped key gets exactly one warning, the old gather flag
+    among them (before: "not known")."""
+    out, warnings = from_deepspeed(TRANSFORMERS_ZERO3)
+    assert out == {"params.tier": "cpu", "optimizer.tier": "cpu", "prefetch.depth": 0,
+                   "memory.device_budget": 4_000_000_000}
+    cfg = load_config(None, **out)
+    assert cfg.prefetch.depth == 0 and cfg.prefetch.max_bytes is None
+    keys = [w.split(":")[0] for w in warnings]
+    assert len(keys) == len(set(keys)), keys
+    for key in ("sub_group_size", "reduce_bucket_size", "stage3_param_persistence_threshold",
+                "stage3_max_reuse_distance", "stage3_gather_fp16_weights_on_model_save", "overlap_comm"):
+        assert f"zero_optimization.{key}" in keys, key
+    assert "no equivalent" in warnings[keys.index("zero_optimization.stage3_gather_fp16_weights_on_model_save")]
+    assert {"fp16.enabled", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu"} <= set(keys)
+    assert not any("prefetch_bucket" in w or "not known" in w for w in warnings), warnings
+
+    status, stdout, stderr = _cli(tmp_path, capsys, json.dumps(TRANSFORMERS_ZERO3, indent=4))
+    assert status == 0, stderr
+    (tmp_path / "tm.yaml").write_text(stdout)
+    cfg = load_config(str(tmp_path / "tm.yaml"))
+    assert cfg.prefetch.depth == 0 and cfg.params.tier == "cpu" and cfg.optimizer.tier == "cpu"
+    assert all(line.startswith("tiermem: warning: ") for line in stderr.strip().splitlines())
+
+
+def test_a_prefetch_bucket_above_the_live_limit_is_capped_as_deepspeed_caps_it() -> None:
+    """DeepSpeed prefetches at most stage3_max_live_parameters elements, so a larger bucket becomes
+    prefetch.max_bytes = the live limit in bytes, with a line saying so (before: a max_bytes above
+    memory.device_budget, which tiermem refuses); a live limit of 0 is no prefetching too."""
+    ds = {"bf16": {"enabled": True},
+          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e8, "stage3_max_live_parameters": 1e8}}
+    out, warnings = from_deepspeed(ds)
+    assert out["prefetch.max_bytes"] == out["memory.device_budget"] == 200_000_000
+    assert load_config(None, **out).prefetch.max_bytes == 200_000_000
+    assert [w.split(":")[0] for w in warnings] == ["zero_optimization.stage3_prefetch_bucket_size"]
+    out, _ = from_deepspeed({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0}})
+    assert out["prefetch.depth"] == 0 and "memory.device_budget" not in out
+
+
+@pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
+@pytest.mark.parametrize("device", ["NVMe", "CPU", "gpu", None])
+def test_an_offload_device_deepspeed_refuses_is_refused_naming_the_key(tmp_path, capsys, section: str,
+                                                                        device: object) -> None:
+    """An offload device other than DeepSpeed's lowercase none/cpu/nvme is a ConfigError naming the key and the
+    accepted values, and the command's one-line error, exit 2 (before: silently no offload)."""
+    from tiermem.errors import ConfigError
+
+    ds = {"zero_optimization": {"stage": 3, section: {"device": device, "nvme_path": "/local_nvme"}}}
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.{section}\.device: .*'none', 'cpu' or 'nvme'"):
+        from_deepspeed(ds)
+    status, stdout, stderr = _cli(tmp_path, capsys, json.dumps(ds))
+    assert status == 2 and stdout == ""
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+    assert f"zero_optimization.{section}.device" in stderr and "DeepSpeed" in stderr and repr(device) in stderr
+    if device == "NVMe":
+        assert "write 'nvme'" in stderr
+
+
+def test_fp16_and_bf16_both_enabled_are_refused_with_deepspeeds_rule(tmp_path, capsys) -> None:
+    """fp16 and bf16 (or its old name bfloat16) both enabled is refused with DeepSpeed's rule (before: float16)."""
+    from tiermem.errors import ConfigError
+
+    for bf16 in ("bf16", "bfloat16"):
+        ds = {"fp16": {"enabled": True}, bf16: {"enabled": True}, "zero_optimization": {"stage": 3}}
+        with pytest.raises(ConfigError, match=rf"fp16\.enabled and {bf16}\.enabled: .*cannot be simultaneously"):
+            from_deepspeed(ds)
+    status, _, stderr = _cli(tmp_path, capsys, json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
+    assert status == 2 and "fp16.enabled and bf16.enabled" in stderr and "Traceback" not in stderr
+    out, _ = from_deepspeed({"bfloat16": {"enabled": True}})  # DeepSpeed's old name for bf16 is read as bf16
+    assert out["params.dtype"] == "bfloat16"
+
+
+def test_legacy_cpu_offload_flags_map_to_what_they_mean(tmp_path, capsys) -> None:
+    """cpu_offload: true is offload_optimizer.device cpu and cpu_offload_param: true offload_param.device cpu, each
+    with one line saying so, and no line about an offload_optimizer block the config does not have (before:
+    "not known; ignored" plus "offload_optimizer.device: none", and parameters left on the device)."""
+    ds = {"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+                                "cpu_offload_use_pin_memory": True}}
+    out, warnings = from_deepspeed(ds)
+    assert out == {"params.tier": "cpu", "optimizer.tier": "cpu"}
+    assert [w.split(":")[0] for w in warnings] == ["zero_optimization.cpu_offload_param",
+                                                   "zero_optimization.cpu_offload",
+                                                   "zero_optimization.cpu_offload_use_pin_memory"]
+    assert "deprecated form of offload_optimizer.device cpu" in warnings[1]
+    assert not any("not known" in w or "offload_optimizer.device" in w.split(":")[0] for w in warnings)
+    status, stdout, stderr = _cli(tmp_path, capsys, json.dumps(ds))
+    assert status == 0 and load_config(None, **out).params.tier == "cpu"
+    assert "offload_optimizer.device: none" not in stderr and "not known" not in stderr
+
+
+def test_only_what_the_config_says_is_reported() -> None:
+    """A config without an offload_optimizer block or a stage gets no line about them (before: lines about
+    offload_optimizer.device none and stage 0 that the user never wrote); an explicit none still gets its line,
+    and an nvme_path beside device cpu gets one saying it is ignored."""
+    out, warnings = from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    assert out == {"params.tier": "cpu", "optimizer.tier": "cpu"} and warnings == []
+    assert from_deepspeed({"train_micro_batch_size_per_gpu": 1})[1] == [
+        "train_micro_batch_size_per_gpu: in your training loop: the batch size is your data loader's"]
+    _, warnings = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}})
+    assert [w.split(":")[0] for w in warnings] == ["zero_optimization.offload_optimizer.device"]
+    _, warnings = from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
+                                                                                      "nvme_path": "/nvme"}}})
+    assert warnings == ["zero_optimization.offload_param.nvme_path: ignored with device cpu, as DeepSpeed ignores it"]
+
+
+@pytest.mark.parametrize("zero, key, rule", [
+    ({"stage": 4}, "zero_optimization.stage", "0, 1, 2 or 3"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "zero_optimization.offload_optimizer.ratio",
+     "partial offloading below stage 3"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "zero_optimization.offload_optimizer.ratio",
+     "from 0 to 1"),
+    ({"stage": 3, "stage3_prefetch_bucket_size": -1}, "zero_optimization.stage3_prefetch_bucket_size", ">= 0"),
+    ({"stage": 3, "stage3_max_live_parameters": 2.5}, "zero_optimization.stage3_max_live_parameters", ">= 0"),
+    ({"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}, "zero_optimization.cpu_offload",
+     "deprecated key beside zero_optimization.offload_optimizer"),
+    ({"stage": 3, "cpu_offload_param": False, "offload_param": {"device": "cpu"}},
+     "zero_optimization.cpu_offload_param", "deprecated key beside zero_optimization.offload_param"),
+])
+def test_what_deepspeed_refuses_is_refused_with_its_rule(zero: dict, key: str, rule: str) -> None:
+    """A value DeepSpeed's config validation refuses is a ConfigError naming the key and the rule (before: a
+    warning, a silent choice, or tiermem's own key only)."""
+    from tiermem.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        from_deepspeed({"zero_optimization": zero})
+    assert str(info.value).startswith(f"{key}: ") and rule in str(info.value) and "DeepSpeed" in str(info.value)
+
+
+def test_a_mapped_value_tiermem_refuses_names_the_deepspeed_key(tmp_path, capsys) -> None:
+    """A mapped value that tiermem's config refuses is an error naming the DeepSpeed key and tiermem's (before:
+    from_deepspeed returned it, and the command named only io.block_size or nvme.paths[0])."""
+    from tiermem.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^aio\.block_size \(as io\.block_size\): .*4096"):
+        from_deepspeed({"aio": {"block_size": 1000}})
+    (tmp_path / "file").write_text("")
+    path = str(tmp_path / "file" / "swap")  # under a regular file: cannot be created
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path}}}
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.offload_param\.nvme_path \(as nvme\.paths\[0\]\)"):
+        from_deepspeed(ds)
+    status, _, stderr = _cli(tmp_path, capsys, json.dumps(ds))
+    assert status == 2 and "zero_optimization.offload_param.nvme_path (as nvme.paths[0])" in stderr
+
+
+def test_the_command_refuses_a_key_given_twice(tmp_path, capsys) -> None:
+    """A key given twice in one JSON object is refused, as DeepSpeed refuses it (before: the last one won)."""
+    status, stdout, stderr = _cli(tmp_path, capsys, '{"zero_optimization": {"stage": 3, "stage": 2}}')
+    assert status == 2 and stdout == "" and "stage: given twice" in stderr and "DeepSpeed" in stderr

@@ -1,10 +1,16 @@
 """DeepSpeed ZeRO configs as tiermem swap-configs: `tiermem config from-deepspeed ds_config.json`.
 
 `from_deepspeed` maps what has an equivalent (where parameters and optimizer state are offloaded, the NVMe
-paths, the aio request size and depth, the prefetch and live-parameter limits, fp16/bf16) and returns one
-warning per key that has none or means something else, saying what tiermem does instead. The training
-loop's own settings (batch sizes, accumulation, clipping, the optimizer and scheduler) are the user's code
-under tiermem, so their warnings say what to write there.
+paths, the aio request size and depth, the prefetch and live-parameter limits, fp16/bf16) with DeepSpeed's
+meaning, and returns one warning per key that has none or means something else, saying what tiermem does
+instead. The training loop's own settings (batch sizes, accumulation, clipping, the optimizer and
+scheduler) are the user's code under tiermem, so their warnings say what to write there.
+
+What DeepSpeed itself refuses for the keys read here (an offload device other than "none", "cpu" or
+"nvme", fp16 and bf16 both enabled, a ZeRO stage other than 0 to 3, a negative element count, a partial
+optimizer offload below stage 3, a deprecated key beside the one replacing it) is a ConfigError that names
+the DeepSpeed key and states DeepSpeed's rule. A mapped value that tiermem's config refuses is a
+ConfigError naming the DeepSpeed key it came from as well as tiermem's.
 
 HF Trainer's DeepSpeed configs write ``"auto"`` for what the Trainer fills in at run time from its own
 arguments; there is no Trainer here to fill it in, so an ``"auto"`` is read as unset, with one warning that
@@ -13,9 +19,11 @@ says what tiermem does instead.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
+from tiermem.config import load_config
 from tiermem.errors import ConfigError
 
 # ZeRO keys with no tiermem setting, and what happens instead.
@@ -30,6 +38,7 @@ _NO_EQUIVALENT = {
     "contiguous_gradients": "each unit's gradients are one flat buffer already",
     "reduce_scatter": "gradients are always reduce-scattered under several ranks",
     "stage3_gather_16bit_weights_on_model_save": "tm.save_checkpoint always writes whole tensors",
+    "stage3_gather_fp16_weights_on_model_save": "tm.save_checkpoint always writes whole tensors",  # its old name
     "round_robin_gradients": "not needed: gradients are reduce-scattered per unit",
     "load_from_fp32_weights": "not needed: fp32 master weights are kept for 16-bit parameters",
 }
@@ -48,6 +57,7 @@ _AUTO = {
     "fp16.enabled": "params.dtype is left unset (each parameter keeps its own dtype); set params.dtype: float16 "
                     "for float16 with dynamic loss scaling",
     "bf16.enabled": "params.dtype is left unset (each parameter keeps its own dtype); set params.dtype: bfloat16",
+    "bfloat16.enabled": "params.dtype is left unset (each parameter keeps its own dtype); set params.dtype: bfloat16",
     "zero_optimization.stage3_prefetch_bucket_size": "prefetch.max_bytes is left unset: the read-ahead is bounded "
                                                      "by prefetch.depth units and memory.device_budget",
     "zero_optimization.stage3_max_live_parameters": "memory.device_budget is left unset: the device holds what "
@@ -73,73 +83,93 @@ _AIO_IGNORED = {
     "intra_op_parallelism": "the engine drives its ring from one thread",
     "use_gds": "GPUDirect Storage is not used: reads land in pinned host memory",
 }
+# DeepSpeed's OffloadDeviceEnum: its only offload devices, matched as written (it refuses "NVMe", "CPU").
+_DEVICES = ("none", "cpu", "nvme")
+# Each offload section's keys as DeepSpeed defines them, and the deprecated flag that stood for the section.
+_OFFLOAD_KEYS = {
+    "offload_param": {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"},
+    "offload_optimizer": {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+                          "fast_init", "ratio"},
+}
+_LEGACY = {"offload_param": "cpu_offload_param", "offload_optimizer": "cpu_offload"}
 
 
 def from_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """tiermem config overrides ("section.key": value) for DeepSpeed config `ds`, and the warnings."""
+    """tiermem config overrides ("section.key": value) for DeepSpeed config `ds`, and the warnings.
+
+    The overrides are checked with `load_config`, so they make a valid swap-config on this machine (the NVMe
+    paths among them). Raises ConfigError, naming the DeepSpeed key, for what DeepSpeed refuses and for a
+    mapped value that tiermem refuses.
+
+    Example::
+
+        overrides, warnings = from_deepspeed(json.load(open("ds_config.json")))
+        cfg = load_config(None, **overrides)
+    """
     if not isinstance(ds, Mapping):
         raise ConfigError("the DeepSpeed config must be a JSON object")
     out: dict[str, Any] = {}
+    source: dict[str, str] = {}  # tiermem key -> the DeepSpeed key it came from, for errors tiermem raises
     warnings: list[str] = []
-    paths: list[tuple[str, str]] = []  # (nvme_path, the key that named it)
-    fp16, bf16 = _on(ds.get("fp16"), "fp16", warnings), _on(ds.get("bf16"), "bf16", warnings)
+    fp16, bf16_key = _on(ds.get("fp16"), "fp16", warnings), _bf16_key(ds)
+    bf16 = _on(ds.get(bf16_key), bf16_key, warnings)
+    if fp16 and bf16:
+        raise ConfigError(f"fp16.enabled and {bf16_key}.enabled: both true, which DeepSpeed refuses (bfloat16 and "
+                          "fp16 modes cannot be simultaneously enabled); enable one of them")
     half = "float16" if fp16 else "bfloat16" if bf16 else None
-    warnings += _half_keys(ds)
+    warnings += _half_keys(ds, bf16_key)
     width = 2 if half else 4  # DeepSpeed counts parameters in elements; tiermem's limits are bytes
     if half:
         out["params.dtype"] = half
+        source["params.dtype"] = f"{'fp16' if fp16 else bf16_key}.enabled"
     zero = ds.get("zero_optimization") or {}
     if not isinstance(zero, Mapping):
         raise ConfigError("zero_optimization: expected an object")
-    stage = zero.get("stage", 0)
-    if stage != 3:
+    stage = _stage(zero)
+    if "stage" in zero and stage != 3:  # without the key DeepSpeed runs no ZeRO; reported only where written
         warnings.append(f"zero_optimization.stage: {stage}: tiermem shards parameters, gradients and optimizer "
                         "state across ranks as stage 3 does, whenever torch.distributed is initialised")
+    paths: list[tuple[str, str]] = []  # (nvme_path, the key that named it)
     for key, tier_key in (("offload_param", "params.tier"), ("offload_optimizer", "optimizer.tier")):
-        off = zero.get(key) or {}
-        device = off.get("device", "none") if isinstance(off, Mapping) else "none"
+        off, said = _offload_section(zero, key, warnings)
         where = f"zero_optimization.{key}"
+        device = _device(off, where) if off is not None else "none"
         if device == "nvme":
             out[tier_key] = "nvme"
-            if off.get("nvme_path"):
+            if off is not None and off.get("nvme_path"):
                 paths.append((str(off["nvme_path"]), f"{where}.nvme_path"))
+            else:
+                warnings.append(f"{where}.device: nvme without {where}.nvme_path, which DeepSpeed needs to offload "
+                                "there: nvme.paths keeps tiermem's default; set it to a directory on the drive")
         elif device == "cpu":
             out[tier_key] = "cpu"
         elif key == "offload_param":
             out[tier_key] = "device"
         else:
-            out[tier_key] = "cpu"
-            warnings.append(f"{where}.device: none: tiermem's optimizer state rests in host memory at least "
-                            "(optimizer.tier cpu); the step runs on the host")
-        for sub in ("buffer_count", "buffer_size", "pin_memory", "fast_init"):
-            if isinstance(off, Mapping) and sub in off:
-                warnings.append(f"{where}.{sub}: no equivalent: tiermem sizes and pins its buffers itself "
-                                "within memory.host_budget")
-        if isinstance(off, Mapping) and "max_in_cpu" in off:
-            warnings.append(f"{where}.max_in_cpu: no equivalent: set memory.host_budget, which bounds everything "
-                            "tiermem holds in host memory")
-        if isinstance(off, Mapping) and off.get("ratio", 1) != 1:
-            warnings.append(f"{where}.ratio: {off['ratio']}: partial offload is not supported; all of the "
-                            "optimizer state goes to optimizer.tier")
-        if isinstance(off, Mapping):
-            warnings += [f"{where}.{k}: not known to this converter; ignored" for k in off if k not in _OFFLOAD]
+            out[tier_key] = "cpu"  # tiermem's optimizer state is never on the device
+            if said:  # only what the user wrote is reported: a config without the section gets no line
+                warnings.append(f"{said}: tiermem's optimizer state rests in host memory at least (optimizer.tier "
+                                "cpu); the step runs on the host")
+        if off is not None:
+            warnings += _offload_keys(off, key, where, device, stage)
     if paths:
         out["nvme.paths"] = list(dict.fromkeys(p for p, _ in paths))  # both sections often name the same drive
+        for i, path in enumerate(out["nvme.paths"]):
+            source[f"nvme.paths[{i}]"] = next(k for p, k in paths if p == path)
         if len(out["nvme.paths"]) > 1:
             (first, first_key), (second, second_key) = paths
             warnings.append(f"{second_key}: {second} differs from {first_key} {first}: both become nvme.paths, "
                             "and tiermem stripes parameters and optimizer state alike across them (nvme.stripe_size "
                             "per directory), not one kind per drive")
-    for key, target in (("stage3_prefetch_bucket_size", "prefetch.max_bytes"),
-                        ("stage3_max_live_parameters", "memory.device_budget")):
-        count = _number(zero, key, "zero_optimization", warnings)
-        if count is not None:
-            out[target] = int(count) * width
+    _prefetch(zero, width, out, source, warnings)
     for key, why in _NO_EQUIVALENT.items():
         if key in zero:
             auto = " (\"auto\", set by HF Trainer at run time)" if _is_auto(zero[key]) else ""
             warnings.append(f"zero_optimization.{key}: no equivalent{auto}: {why}")
-    known = {"stage", "offload_param", "offload_optimizer", "stage3_prefetch_bucket_size",
+    if "cpu_offload_use_pin_memory" in zero:
+        warnings.append("zero_optimization.cpu_offload_use_pin_memory: no equivalent (deprecated by DeepSpeed): "
+                        "tiermem pins its host memory itself when CUDA is present")
+    known = {"stage", *_OFFLOAD_KEYS, *_LEGACY.values(), "cpu_offload_use_pin_memory", "stage3_prefetch_bucket_size",
              "stage3_max_live_parameters", *_NO_EQUIVALENT}
     warnings += [f"zero_optimization.{k}: not known to this converter; ignored" for k in zero if k not in known]
     aio = ds.get("aio") or {}
@@ -147,7 +177,10 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         for key, target in (("block_size", "io.block_size"), ("queue_depth", "io.queue_depth")):
             value = _number(aio, key, "aio", warnings)
             if value is not None:
+                if value != int(value):
+                    raise ConfigError(f"aio.{key}: expected a whole number, got {aio[key]!r}")
                 out[target] = int(value)
+                source[target] = f"aio.{key}"
         warnings += [f"aio.{k}: no equivalent: {why}" for k, why in _AIO_IGNORED.items() if k in aio]
         warnings += [f"aio.{k}: not known to this converter; ignored" for k in aio
                      if k not in {"block_size", "queue_depth", *_AIO_IGNORED}]
@@ -158,12 +191,152 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 warnings.append(f"{key}: \"auto\" (set by HF Trainer at run time): in your training loop: {why}")
             else:
                 warnings.append(f"{key}: in your training loop: " + why.format(v=ds[key]))
-    known_top = {"zero_optimization", "aio", "fp16", "bf16", *_LOOP}
+    known_top = {"zero_optimization", "aio", "fp16", "bf16", "bfloat16", *_LOOP}
     warnings += [f"{k}: not known to this converter; ignored" for k in ds if k not in known_top]
+    _check(out, source)
     return out, warnings
 
 
-_OFFLOAD = {"device", "nvme_path", "buffer_count", "buffer_size", "pin_memory", "fast_init", "max_in_cpu", "ratio"}
+def _stage(zero: Mapping[str, Any]) -> object:
+    """zero_optimization.stage, refused unless it is one of DeepSpeed's stages (0 to 3) or "auto"."""
+    stage = zero.get("stage", 0)
+    if _is_auto(stage):
+        return stage
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage: expected 0, 1, 2 or 3 (DeepSpeed's ZeRO stages; it refuses "
+                          f"any other), got {stage!r}")
+    return int(stage)
+
+
+def _bf16_key(ds: Mapping[str, Any]) -> str:
+    """The section DeepSpeed reads bf16 from: ``bf16``, else its old name ``bfloat16``."""
+    return "bfloat16" if "bfloat16" in ds and "bf16" not in ds else "bf16"
+
+
+def _offload_section(zero: Mapping[str, Any], key: str, warnings: list[str]) -> tuple[Mapping[str, Any] | None, str]:
+    """The offload section `key` as DeepSpeed reads it (None: not offloaded, DeepSpeed's default) and how the
+    user wrote "no offload" if they did ("" when they wrote nothing about it), for the line that reports it.
+
+    DeepSpeed's deprecated flag (``cpu_offload`` for offload_optimizer, ``cpu_offload_param`` for
+    offload_param) stands for ``{"device": "cpu"}`` when true and for no section when false; DeepSpeed refuses
+    it beside the section that replaces it."""
+    where, legacy = f"zero_optimization.{key}", _LEGACY[key]
+    if legacy in zero:
+        flag = zero[legacy]
+        if key in zero:
+            raise ConfigError(f"zero_optimization.{legacy}: DeepSpeed refuses this deprecated key beside {where}, "
+                              f"which replaces it; remove {legacy} and keep {key}")
+        if _is_auto(flag):  # DeepSpeed drops "auto" values, leaving the default: no offload
+            return None, f"zero_optimization.{legacy}: \"auto\" (DeepSpeed reads it as unset: no offload)"
+        if isinstance(flag, bool) or flag in (0, 1):
+            if flag:
+                warnings.append(f"zero_optimization.{legacy}: true: DeepSpeed's deprecated form of {key}.device "
+                                f"cpu; mapped as that")
+                return {"device": "cpu"}, ""
+            return None, f"zero_optimization.{legacy}: false (no offload)"
+        raise ConfigError(f"zero_optimization.{legacy}: expected true or false, got {flag!r}")
+    off = zero.get(key)
+    if off is None:
+        return None, ""
+    if not isinstance(off, Mapping):
+        raise ConfigError(f"{where}: expected an object such as {{\"device\": \"cpu\"}}, got {off!r}")
+    if "device" not in off:
+        return off, f"{where}: no device (DeepSpeed's default, none)"
+    if _is_auto(off["device"]):
+        return off, f"{where}.device: \"auto\" (DeepSpeed reads it as unset: none)"
+    return off, f"{where}.device: {off['device']}"
+
+
+def _device(off: Mapping[str, Any], where: str) -> str:
+    """The section's offload device, refused unless it is one DeepSpeed accepts (as written: "NVMe" is not)."""
+    device = off.get("device", "none")
+    if _is_auto(device):  # DeepSpeed drops "auto" values, leaving the default
+        return "none"
+    if isinstance(device, str) and device in _DEVICES:
+        return device
+    hint = f"; write {device.lower()!r}" if isinstance(device, str) and device.lower() in _DEVICES else ""
+    raise ConfigError(f"{where}.device: expected 'none', 'cpu' or 'nvme' (DeepSpeed's offload devices, lowercase; "
+                      f"it refuses any other), got {device!r}{hint}")
+
+
+def _offload_keys(off: Mapping[str, Any], key: str, where: str, device: str, stage: object) -> list[str]:
+    """One warning per key of an offload section other than `device`; DeepSpeed's rules on `ratio` enforced."""
+    warnings: list[str] = []
+    if "nvme_path" in off and device != "nvme":
+        warnings.append(f"{where}.nvme_path: ignored with device {device}, as DeepSpeed ignores it")
+    for sub in ("buffer_count", "buffer_size", "pin_memory", "fast_init"):
+        if sub in off:
+            warnings.append(f"{where}.{sub}: no equivalent: tiermem sizes and pins its buffers itself "
+                            "within memory.host_budget")
+    if "max_in_cpu" in off:
+        warnings.append(f"{where}.max_in_cpu: no equivalent: set memory.host_budget, which bounds everything "
+                        "tiermem holds in host memory")
+    for sub in ("pipeline_read", "pipeline_write"):
+        if sub in off:
+            warnings.append(f"{where}.{sub}: no equivalent: with optimizer.update lazy, tiermem reads and writes "
+                            "each unit's optimizer state behind the next forward")
+    if key == "offload_optimizer" and "ratio" in off:
+        ratio = off["ratio"]
+        if _is_auto(ratio):
+            warnings.append(f"{where}.ratio: \"auto\": DeepSpeed reads it as 1: all of the optimizer state goes to "
+                            "optimizer.tier")
+        elif isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            raise ConfigError(f"{where}.ratio: expected a number from 0 to 1 (DeepSpeed's rule), got {ratio!r}")
+        elif ratio < 1 and stage != 3:
+            raise ConfigError(f"{where}.ratio: {ratio} needs zero_optimization.stage 3: DeepSpeed refuses partial "
+                              f"offloading below stage 3, got stage {stage}")
+        elif ratio < 1:
+            warnings.append(f"{where}.ratio: {ratio}: partial offload is not supported; all of the optimizer "
+                            "state goes to optimizer.tier")
+    warnings += [f"{where}.{k}: not known to this converter; ignored" for k in off if k not in _OFFLOAD_KEYS[key]]
+    return warnings
+
+
+def _prefetch(zero: Mapping[str, Any], width: int, out: dict[str, Any], source: dict[str, str],
+              warnings: list[str]) -> None:
+    """Map stage3_prefetch_bucket_size and stage3_max_live_parameters as DeepSpeed reads them.
+
+    DeepSpeed prefetches at most min(bucket, live - parameters already on the device) elements, and none when
+    either is 0; the unit computing is fetched in any case. So 0 in either is prefetch.depth 0, the bucket
+    becomes prefetch.max_bytes capped at the live limit, and the live limit memory.device_budget."""
+    bucket_key, live_key = "stage3_prefetch_bucket_size", "stage3_max_live_parameters"
+    bucket = _count(zero, bucket_key, warnings)
+    live = _count(zero, live_key, warnings)
+    if bucket == 0 or live == 0:
+        out["prefetch.depth"] = 0
+        source["prefetch.depth"] = f"zero_optimization.{bucket_key if bucket == 0 else live_key}"
+    if bucket and live and bucket > live:
+        warnings.append(f"zero_optimization.{bucket_key}: {bucket} is more than {live_key} {live}, which "
+                        f"bounds DeepSpeed's prefetch as well: prefetch.max_bytes is set from {live}")
+        bucket = live
+    if bucket:
+        out["prefetch.max_bytes"] = bucket * width
+        source["prefetch.max_bytes"] = f"zero_optimization.{bucket_key}"
+    if live:
+        out["memory.device_budget"] = live * width
+        source["memory.device_budget"] = f"zero_optimization.{live_key}"
+
+
+def _count(zero: Mapping[str, Any], key: str, warnings: list[str]) -> int | None:
+    """A ZeRO element count as DeepSpeed reads it (an integer >= 0); None when absent or "auto"."""
+    value = _number(zero, key, "zero_optimization", warnings)
+    if value is None:
+        return None
+    if value < 0 or value != int(value):
+        raise ConfigError(f"zero_optimization.{key}: expected a whole number of parameter elements >= 0 "
+                          f"(DeepSpeed's rule), got {zero[key]!r}")
+    return int(value)
+
+
+def _check(out: dict[str, Any], source: dict[str, str]) -> None:
+    """Load `out` as a swap-config; an error about a mapped key names the DeepSpeed key it came from."""
+    try:
+        load_config(None, **out)
+    except ConfigError as exc:
+        key, sep, rest = str(exc).partition(": ")
+        if not sep or key not in source:
+            raise
+        raise ConfigError(f"{source[key]} (as {key}): {rest}") from None
 
 
 def _is_auto(value: object) -> bool:
@@ -187,10 +360,12 @@ def _on(section: object, where: str, warnings: list[str]) -> bool:
     return bool(enabled)
 
 
-def _half_keys(ds: Mapping[str, Any]) -> list[str]:
+def _half_keys(ds: Mapping[str, Any], bf16_key: str) -> list[str]:
     """One warning per fp16 loss-scaling key and per other key of the fp16/bf16 sections."""
     warnings: list[str] = []
-    for name in ("fp16", "bf16"):
+    if "bf16" in ds and "bfloat16" in ds:
+        warnings.append("bfloat16: ignored, as DeepSpeed ignores this old name of bf16 when bf16 is present")
+    for name in ("fp16", bf16_key):
         section = ds.get(name)
         if not isinstance(section, Mapping):
             continue
@@ -219,6 +394,9 @@ def _number(section: Mapping[str, Any], key: str, where: str, warnings: list[str
     if isinstance(value, bool):
         raise ConfigError(f"{where}.{key}: expected a number, got {value!r}")
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{where}.{key}: expected a number or \"auto\", got {value!r}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}.{key}: expected a finite number, got {value!r}")
+    return number

@@ -76,16 +76,27 @@ def run_from_deepspeed(args: argparse.Namespace) -> int:
 
     try:
         with open(args.file, encoding="utf-8") as f:
-            ds = json.load(f)
+            ds = json.load(f, object_pairs_hook=_unique_keys)
         overrides, warnings = from_deepspeed(ds)
         cfg = load_config(None, **overrides)
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError and ConfigError are ValueErrors
-        print(f"{args.file}: {exc}", file=sys.stderr)
+    except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, ConfigError are ValueErrors
+        print(f"{args.file}: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, no traceback
         return EXIT_BAD_CONFIG
     for line in warnings:
         print(f"tiermem: warning: {line}", file=sys.stderr)
     sys.stdout.write(format_config(cfg))
     return 0
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a key given twice is refused, as DeepSpeed refuses it, since json would
+    silently keep the last."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ConfigError(f"{key}: given twice in one object; DeepSpeed refuses duplicate keys, so keep one")
+        obj[key] = value
+    return obj
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -123,7 +134,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "from-deepspeed",
         help="convert a DeepSpeed ZeRO config to a swap-config",
         description="Print the swap-config that DeepSpeed config FILE (JSON) maps to; on stderr, one warning per "
-        "key with no equivalent or another meaning, saying what tiermem does instead.",
+        "key with no equivalent or another meaning, saying what tiermem does instead. What DeepSpeed refuses (an "
+        "offload device other than none, cpu or nvme; fp16 and bf16 both enabled; ...) is an error naming the key "
+        "and DeepSpeed's rule, exit status 2. See docs/config.md.",
     )
     convert.add_argument("file", metavar="FILE", help="a DeepSpeed config (ds_config.json)")
     convert.set_defaults(func=run_from_deepspeed)
