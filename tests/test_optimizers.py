@@ -1,5 +1,7 @@
-"""Every elementwise torch.optim optimizer trains under tiered_offload exactly as in memory; the others are
-refused naming why (see [Note: which optimizers] in tiermem/optim/optimizer.py)."""
+"""Every elementwise torch.optim optimizer, and the per-parameter ones users bring (transformers' Adafactor,
+bitsandbytes' 8-bit optimizers, Lion, Muon), trains under tiered_offload exactly as in memory; those whose update
+couples parameters across units are refused naming why (see [Note: which optimizers] in
+tiermem/optim/optimizer.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from tests.test_training import batches, cfg, compare, mlp, run_steps, two_groups
+from tests.test_training import batches, cfg, compare, loss_fn, mlp, run_steps, two_groups
 from tiermem import OffloadError, tiered_offload
+from tiermem.errors import OptimizerError
 from tiermem.optim import SUPPORTED_OPTIMIZERS
 
 pytestmark = pytest.mark.usefixtures("compute_device")  # each test on the CPU and the copying device
@@ -37,6 +40,7 @@ def test_every_supported_optimizer_is_tested_here_or_in_test_training() -> None:
     """A class added to SUPPORTED_OPTIMIZERS gets a case here (Adam, AdamW and SGD have test_training's)."""
     names = {c.__name__ for c in SUPPORTED_OPTIMIZERS}
     assert names - {"Adam", "AdamW", "SGD"} == set(ELEMENTWISE)
+    assert not any(c.__name__ in PER_PARAMETER for c in SUPPORTED_OPTIMIZERS)  # those take the per-parameter path
 
 
 @pytest.mark.parametrize("name", sorted(ELEMENTWISE))
@@ -101,35 +105,251 @@ def test_state_dict_and_checkpoint_carry_the_scalars(tmp_path, name: str) -> Non
             assert torch.equal(a, b), (how, n)
 
 
+def _lib(name: str) -> Any:
+    return pytest.importorskip(name)
+
+
+def _no_bias() -> nn.Module:
+    """The mlp's shapes without biases: Muon takes matrices only."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64, bias=False), nn.Tanh(), nn.Linear(64, 64, bias=False), nn.Tanh(),
+                         nn.Linear(64, 4, bias=False))
+
+
+class _MyAdam(torch.optim.Adam):
+    """A subclass of torch's: not known to be elementwise, so stepped per parameter."""
+
+
+# the mlp's 64x64 weights have 4096 elements, so bitsandbytes keeps 8-bit state for them (uint8 states, a qmap,
+# absmax blocks) and 32-bit state for its smaller tensors; two param groups where the optimizer takes them
+PER_PARAMETER: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.optim.Optimizer]]] = {
+    "Adafactor": (mlp, lambda m: _lib("transformers.optimization").Adafactor(m.parameters())),  # relative step
+    "Adafactor-lr": (mlp, lambda m: _lib("transformers.optimization").Adafactor(
+        two_groups(m, lr=2e-3), lr=1e-3, scale_parameter=False, relative_step=False, beta1=0.9)),
+    "AdamW8bit": (mlp, lambda m: _lib("bitsandbytes").optim.AdamW8bit(two_groups(m, lr=2e-3), lr=1e-3)),
+    "PagedAdamW8bit": (mlp, lambda m: _lib("bitsandbytes").optim.PagedAdamW8bit(m.parameters(), lr=1e-3)),
+    "Lion8bit": (mlp, lambda m: _lib("bitsandbytes").optim.Lion8bit(m.parameters(), lr=1e-4, weight_decay=0.01)),
+    "Lion": (mlp, lambda m: _lib("lion_pytorch").Lion(two_groups(m, lr=2e-4), lr=1e-4)),
+    "torch-Adafactor": (mlp, lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2)),
+    "Muon": (_no_bias, lambda m: torch.optim.Muon(m.parameters(), lr=1e-2)),
+    "Adam-subclass": (mlp, lambda m: _MyAdam(m.parameters(), lr=1e-3, weight_decay=0.01)),
+}
+TIERS = {"nvme": {}, "host": {"params.tier": "cpu", "optimizer.tier": "cpu"}}
+
+
+def _same(a: Any, b: Any, where: str = "state_dict") -> None:
+    """Equal to the bit, in type and structure too (a step count an int where the optimizer keeps an int)."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, list(a), list(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{k}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")  # bitsandbytes steps unpaged there
+@pytest.mark.parametrize("tiers", sorted(TIERS))
+@pytest.mark.parametrize("name", sorted(PER_PARAMETER))
+def test_a_per_parameter_optimizer_equals_itself_in_memory(tmp_path, name: str, tiers: str) -> None:
+    """3 steps of 2 micro-batches, clipped, each parameter stepped with its own shape by the optimizer's own code
+    on views of the tiers: losses, clip norms, weights and its state_dict (its own format, every key, a step
+    count's type included) bit-exact with the same loop in memory; state on NVMe or in host memory."""
+    build, make = PER_PARAMETER[name]
+    data = batches(6)
+    ref = build()
+    ref_opt = make(ref)
+    ref_norms: list[float] = []
+    ref_losses = run_steps(ref, ref_opt, data, accumulate=2, clip=0.5, norms=ref_norms,
+                           clip_fn=lambda c: torch.nn.utils.clip_grad_norm_(ref.parameters(), c))
+    model = build()
+    norms: list[float] = []
+    with tiered_offload(model, optimizer=make(model), **cfg(tmp_path, **TIERS[tiers])) as tm:
+        assert not tm.optimizer.elementwise
+        losses = run_steps(model, tm.optimizer, data, accumulate=2, clip=0.5, clip_fn=tm.clip_grad_norm_, norms=norms)
+        saved = tm.optimizer.state_dict()
+    assert losses == ref_losses and norms == ref_norms
+    for (n, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), n
+    _same(saved, ref_opt.state_dict())
+
+
+def test_bitsandbytes_keeps_8bit_state_in_the_tiers(tmp_path) -> None:
+    """AdamW8bit's state of a 64x64 weight lies in the state partition as it keeps it: two uint8 tensors of the
+    weight's shape, their 256-entry qmaps and absmax blocks; a bias's is 32-bit."""
+    model = mlp()
+    with tiered_offload(model, optimizer=PER_PARAMETER["AdamW8bit"][1](model), **cfg(tmp_path)) as tm:
+        slots = {s.name: (s.shape, s.dtype) for st in tm.optimizer.units if st.state is not None
+                 for s in st.state.layout.slots}
+    assert slots["state1.2.weight"] == ((64, 64), torch.uint8)
+    assert slots["state2.2.weight"] == ((64, 64), torch.uint8)
+    assert slots["qmap1.2.weight"] == ((256,), torch.float32)
+    assert slots["absmax1.2.weight"][1] == torch.float32
+    assert slots["state1.2.bias"] == ((64,), torch.float32) and "qmap1.2.bias" not in slots
+
+
+@pytest.mark.parametrize("update", ["lazy", "step"])
+@pytest.mark.parametrize("name", ["Adafactor-lr", "AdamW8bit"])
+def test_a_per_parameter_optimizer_steps_fp32_masters_of_bfloat16_params(tmp_path, name: str, update: str) -> None:
+    """params.dtype bfloat16: the optimizer steps the fp32 master weights, as the textbook recipe does with the
+    same optimizer in memory on fp32 copies of the parameters; losses and weights bit-exact."""
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(4)]
+    make = PER_PARAMETER[name][1]
+    ref = mlp().bfloat16()
+    master = nn.ParameterList([nn.Parameter(p.detach().float().clone()) for p in ref.parameters()])
+    ref_opt = make(master)
+    ref_losses = []
+    for x, y in data:
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), master, strict=True):
+                p.copy_(m)
+        ref.zero_grad()
+        loss = loss_fn(ref, x, y)
+        loss.backward()
+        for p, m in zip(ref.parameters(), master, strict=True):
+            m.grad = p.grad.float()
+        ref_opt.step()
+        ref_losses.append(float(loss.detach()))
+    model = mlp()
+    with tiered_offload(model, optimizer=make(model), **cfg(tmp_path, **{"params.dtype": "bfloat16",
+                                                                         "optimizer.update": update})) as tm:
+        losses = run_steps(model, tm.optimizer, data)
+    assert losses == ref_losses
+    for p, m in zip(model.parameters(), master, strict=True):  # exit gives back the masters, not their rounding
+        assert torch.equal(p.detach(), m.detach())
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "AdamW8bit", "Lion"])
+def test_a_per_parameter_optimizers_state_dict_and_checkpoint_resume(tmp_path, name: str) -> None:
+    """Its state_dict saved under tiered_offload equals the one saved in memory and loads in memory; the one
+    saved in memory loads under tiered_offload; a tiermem checkpoint resumes: each way, 3 steps then 3 more end
+    bit-exact where 6 straight through end."""
+    build, make = PER_PARAMETER[name]
+    data = batches(6)
+    ref = build()
+    ref_opt = make(ref)
+    run_steps(ref, ref_opt, data)
+    half = build()
+    half_opt = make(half)
+    run_steps(half, half_opt, data[:3])
+    in_memory = half_opt.state_dict()
+
+    model = build()
+    with tiered_offload(model, optimizer=make(model), **cfg(tmp_path / "a")) as tm:
+        run_steps(model, tm.optimizer, data[:3])
+        saved = tm.optimizer.state_dict()
+        tm.save_checkpoint(tmp_path / "ckpt")
+    _same(saved, in_memory)
+    outside = build()
+    outside.load_state_dict(model.state_dict())
+    outside_opt = make(outside)
+    outside_opt.load_state_dict(saved)
+    run_steps(outside, outside_opt, data[3:])
+    finals = {"memory": outside}
+    for how in ("state_dict", "checkpoint"):
+        resumed = build()
+        resumed.load_state_dict(half.state_dict() if how == "state_dict" else model.state_dict())
+        with tiered_offload(resumed, optimizer=make(resumed), **cfg(tmp_path / how)) as tm:
+            if how == "state_dict":
+                tm.optimizer.load_state_dict(in_memory)
+            else:
+                tm.load_checkpoint(tmp_path / "ckpt")
+            run_steps(resumed, tm.optimizer, data[3:])
+            _same(tm.optimizer.state_dict(), ref_opt.state_dict(), how)
+        finals[how] = resumed
+    for how, final in finals.items():
+        for (n, a), b in zip(ref.named_parameters(), final.parameters(), strict=True):
+            assert torch.equal(a, b), (how, n)
+
+
+def test_a_plan_counts_a_per_parameter_optimizers_state(tmp_path) -> None:
+    """`plan(..., optimizer=opt)` sizes a per-parameter optimizer's state as entry does: bitsandbytes' 8-bit
+    AdamW about 2 bytes per element of its large tensors, Adafactor a row and a column per matrix."""
+    from tiermem.planning import plan
+
+    model = mlp()
+    numel = sum(p.numel() for p in model.parameters())
+    sizes = {}
+    for name in ("AdamW8bit", "Adafactor"):
+        opt = PER_PARAMETER[name][1](model)
+        planned = plan(model, optimizer=opt, **cfg(tmp_path))
+        sizes[name] = planned.kinds["optimizer_state"]["bytes"]
+        with tiered_offload(model, optimizer=opt, **cfg(tmp_path)) as tm:
+            assert planned.entry == tm.plan
+    assert sizes["Adafactor"] < 4 * numel  # rows and columns (4 KiB-aligned per unit), not a copy of each matrix
+    assert 2 * 2 * 64 * 64 < sizes["AdamW8bit"] < 8 * numel  # uint8 moments of the 64x64 weights, 32-bit the rest
+
+
 @pytest.mark.parametrize(("make", "why"), [
-    (lambda m: torch.optim.Adafactor(m.parameters()), "row and a column"),
     (lambda m: torch.optim.LBFGS(m.parameters()), "closure"),
     (lambda m: torch.optim.SparseAdam(m.parameters()), "sparse gradients"),
-], ids=["Adafactor", "LBFGS", "SparseAdam"])
-def test_an_optimizer_that_is_not_elementwise_is_refused_naming_why(tmp_path, make: Any, why: str) -> None:
+], ids=["LBFGS", "SparseAdam"])
+def test_an_optimizer_coupling_parameters_across_units_is_refused_naming_why(tmp_path, make: Any, why: str) -> None:
     """Refused at entry with the reason and the optimizers that work; the model is untouched."""
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(OffloadError, match=f"is not supported under tiered_offload \\(.*{why}.*\\); use one of "
-                                           "torch.optim's AdamW, Adam, SGD, RMSprop"):
+                                           "torch.optim's AdamW, Adam, SGD, RMSprop.*or another optimizer that "
+                                           "updates each parameter"):
         with tiered_offload(model, optimizer=make(model), **cfg(tmp_path)):
             pass
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def test_an_optimizer_from_elsewhere_is_refused(tmp_path) -> None:
-    """A subclass (or another library's optimizer) is refused: its update may not be torch's elementwise one."""
-    class MyAdam(torch.optim.Adam):
-        pass
+class _Counting(torch.optim.SGD):
+    """Counts its steps in the optimizer object, not per parameter: a shell per unit would lose the count."""
 
+    def step(self, closure: Any = None) -> Any:
+        self.calls += 1
+        return super().step(closure)
+
+
+class _Growing(torch.optim.SGD):
+    """Keeps one more entry of history per step: its state cannot be sized before the first step."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                seen = self.state[p].get("seen")
+                self.state[p]["seen"] = torch.zeros(1 if seen is None else seen.numel() + 1)
+        return super().step(closure)
+
+
+class _Noting(torch.optim.SGD):
+    """Keeps a string per parameter, which no tier holds."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["note"] = "seen"
+        return super().step(closure)
+
+
+@pytest.mark.parametrize(("kind", "why"), [
+    (_Counting, "counts in the optimizer object itself \\('calls'\\)"),
+    (_Growing, "changes between steps"),
+    (_Noting, "keeps 'note' per parameter as a str"),
+], ids=["counting", "growing", "noting"])
+def test_an_optimizer_whose_state_cannot_be_laid_out_is_refused_naming_why(tmp_path, kind: Any, why: str) -> None:
+    """What the probe at entry finds is named: state kept in the optimizer object, state whose shape changes,
+    state that is no tensor or number."""
     model = mlp()
-    with pytest.raises(OffloadError, match="MyAdam is not supported under tiered_offload; use one of"):
-        with tiered_offload(model, optimizer=MyAdam(model.parameters()), **cfg(tmp_path)):
+    opt = kind(model.parameters(), lr=0.1)
+    opt.calls = 0
+    with pytest.raises(OptimizerError, match=f"{kind.__name__} is not supported under tiered_offload: .*{why}"):
+        with tiered_offload(model, optimizer=opt, **cfg(tmp_path)):
             pass
 
 
 def test_the_planners_names_and_the_clis_choices_are_the_supported_optimizers() -> None:
-    """`tiermem plan --optimizer NAME` offers every supported class, by its name in lower case."""
+    """`tiermem plan --optimizer NAME` offers every elementwise class, by its name in lower case (a per-parameter
+    optimizer is planned given as an object: test_a_plan_counts_a_per_parameter_optimizers_state)."""
     from tiermem.cli.plan import OPTIMIZER_CHOICES
     from tiermem.planning import OPTIMIZER_NAMES
 

@@ -516,12 +516,25 @@ def load_checkpoint(src: CheckpointContents, path: str | os.PathLike[str]) -> in
 # -- model ------------------------------------------------------------------------------------------
 def _model_tensors(src: CheckpointContents) -> Iterator[Spec]:
     """(name, dtype, shape, source) for every tensor to save, in unit order."""
+    masters = _with_masters(src)
     for unit in src.units:
         dtypes = {s.name: s.dtype for s in unit.partition.layout.slots}  # stored dtype (params.dtype)
         for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
-            yield fqn, dtypes[fqn], shape, _InPartition(unit.index, False, fqn)
+            if fqn in masters:  # the float32 values training arrived at, not their params.dtype rounding
+                yield fqn, torch.float32, shape, _InPartition(unit.index, True, f"master.{fqn}")
+            else:
+                yield fqn, dtypes[fqn], shape, _InPartition(unit.index, False, fqn)
     for name, buf in persistent_buffers(src.model):
         yield name, buf.dtype, tuple(buf.shape), buf
+
+
+def _with_masters(src: CheckpointContents) -> set[str]:
+    """The parameters whose float32 master weights the optimizer keeps (params.dtype bfloat16 or float16): a
+    checkpoint holds those as their weights ([Note: master weights are the values] in tiermem/offload.py)."""
+    opt = src.optimizer
+    if opt is None or not opt.mixed:
+        return set()
+    return {fqn for st in opt.units if st.state is not None for fqn, _, _ in st.trainable}
 
 
 def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -535,7 +548,7 @@ def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
 def _optimizer_tensors(src: CheckpointContents) -> Iterator[Spec]:
     assert src.optimizer is not None
     for t in src.optimizer.state_tensors():
-        yield t.name, torch.float32, t.shape, _InPartition(t.unit, True, t.slot)
+        yield t.name, t.dtype, t.shape, _InPartition(t.unit, True, t.slot)
 
 
 def trainer_state(src: CheckpointContents) -> dict[str, Any]:
@@ -615,10 +628,14 @@ def _adapter(src: CheckpointContents) -> tuple[dict[str, Any], list[Spec]]:
     adapter = adapter if isinstance(adapter, str) and adapter in configs else next(iter(configs))
     marker = f".{adapter}."
     tensors: list[Spec] = []
+    masters = _with_masters(src)
     for unit in src.units:
         dtypes = {slot.name: slot.dtype for slot in unit.partition.layout.slots}
         for (fqn, _), shape in zip(unit.params, unit.shapes, strict=True):
-            if marker in fqn:
+            if marker in fqn and fqn in masters:
+                tensors.append((fqn.replace(marker, ".", 1), torch.float32, shape,
+                                _InPartition(unit.index, True, f"master.{fqn}")))
+            elif marker in fqn:
                 tensors.append((fqn.replace(marker, ".", 1), dtypes[fqn], shape, _InPartition(unit.index, False, fqn)))
     if not tensors:
         raise CheckpointError(f"adapters_only: no parameter of adapter {adapter!r} found (names with {marker!r})")

@@ -109,6 +109,7 @@ from tiermem.offload import (
     choose_path_weights,
 )
 from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer, unsupported
+from tiermem.optim.optimizer import own_attributes
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.wrap import WrapPlan, dtype_of, plan_units
 from tiermem.sizes import format_size, parse_size
@@ -600,8 +601,8 @@ def _training(opt: torch.optim.Optimizer, units: list[Any], swapper: Any, overri
     """The gradient and state partitions, the grads tier and the host check, by the optimizer's own methods."""
     group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
     fake = _Stub(kind=type(opt), param_groups=opt.param_groups, mixed=override not in (None, torch.float32),
-                 swapper=swapper)
-    for name in ("state_kinds", "_layouts", "_host_need", "_choose_grads_tier", "_check_budget"):
+                 swapper=swapper, attrs=own_attributes(opt))
+    for name in ("state_kinds", "_layouts", "_param_state", "_host_need", "_choose_grads_tier", "_check_budget"):
         setattr(fake, name, MethodType(getattr(TieredOptimizer, name), fake))  # the optimizer's own code
     tiered = cast(Any, fake)
     plans = []

@@ -10,12 +10,15 @@ contiguous range in each of them:
   autograd has accumulated them, and the device copy is dropped;
 - the optimizer state (home `optimizer.tier`): what the optimizer keeps per element (exp_avg / exp_avg_sq
   for Adam and AdamW, max_exp_avg_sq with amsgrad; momentum_buffer for SGD with momentum; square_avg for
-  RMSprop; ...), and fp32 master weights when the parameters are bfloat16/float16.
+  RMSprop; ...), or for a per-parameter optimizer whatever tensors it keeps per parameter, in their own
+  shapes and dtypes (Adafactor's row and column, bitsandbytes' uint8 states), and fp32 master weights when
+  the parameters are bfloat16/float16.
 Updating walks the units in order: while unit i is updated on the CPU, unit i+1's partitions are being
 read and unit i-1's written back (when: see [Note: lazy update]). The update itself is the user's optimizer
-class stepping the flat fp32 range of each param group (see [Note: which optimizers]), so its arithmetic is
-PyTorch's. A param group whose parameters did not all get a gradient, or whose step counts or scalars
-differ, is updated tensor by tensor instead, exactly as torch skips parameters without a gradient.
+class stepping the flat fp32 range of each param group, or each parameter with its own shape (see [Note:
+which optimizers]), so its arithmetic is its own. On the flat path a param group whose parameters did not all
+get a gradient, or whose step counts or scalars differ, is updated tensor by tensor instead, exactly as torch
+skips parameters without a gradient.
 
 # [Note: lazy update]
 With `optimizer.update: lazy` (the default) `step()` updates nothing: it records, for each unit with
@@ -92,6 +95,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -112,34 +116,66 @@ from tiermem.trace import Tracer
 log = logging.getLogger(__name__)
 
 # [Note: which optimizers]
-# An update here runs the user's own optimizer class (`_apply`) on one flat range of many parameters at once,
-# in pieces of `_CHUNK` elements. That is the arithmetic torch would do parameter by parameter only when the
-# update is elementwise: each element's new value and state depend on that element alone, plus per-parameter
-# scalars (a step count, NAdam's mu_product, ASGD's eta and mu) that are equal across the range. These
-# torch.optim classes are. Adafactor's state is a row and a column per matrix, LBFGS and Muon look at whole
-# tensors, SparseAdam takes sparse gradients: flattened, they would compute something else, so they are refused.
+# Two ways to run the user's optimizer class on a unit, both its own `step()` code, so its arithmetic is its own:
+# - flat (`_apply`): torch.optim's elementwise classes (SUPPORTED_OPTIMIZERS) step one flat range of many
+#   parameters at once, in pieces of `_CHUNK` elements. That is what torch would compute parameter by parameter
+#   only because each element's new value and state depend on that element alone, plus per-parameter scalars
+#   (a step count, NAdam's mu_product, ASGD's eta and mu) equal across the range.
+# - per parameter (`_update_params`): any other optimizer (transformers' Adafactor, bitsandbytes' 8-bit ones,
+#   lion_pytorch's Lion, torch's Adafactor and Muon, a subclass of torch's) steps the unit's parameters with
+#   their own shapes: fp32 views of the parameters (or of the fp32 masters) with `.grad` set to views of the
+#   accumulators, and its state views of the state partition. The instance stepping them is a shell of the
+#   user's (`_shell`: the same class and attributes, so bitsandbytes' min_8bit_size or percentile clipping come
+#   along, with its own state and one param group). What it keeps per parameter is found before the first
+#   step by stepping a shell twice on a scratch parameter of the same shape (`_probe_param`): its tensors
+#   (shape and dtype: Adafactor's row and column, bitsandbytes' uint8 states, their 256-entry qmaps and absmax
+#   blocks) get slots in the state partition; its numbers and 0-dim tensors (step counts, Adafactor's RMS) are
+#   kept beside it, as they are. Its `state_dict()` is its class's own, made by a shell holding the whole
+#   state, and loads into it in memory and back. This is exact when each parameter's update reads only its own
+#   gradient, state and group settings. What the probe finds otherwise is refused naming it: state whose
+#   shapes change between steps, state that is neither a tensor nor a number, a step that changes its param
+#   group's settings or counts in the optimizer object itself (one shell per unit would lose it), a step
+#   that fails on one parameter alone. So are, by name, those whose update couples parameters of different
+#   units (`_COUPLED`), and with several ranks any per-parameter optimizer: each rank holds a chunk of every
+#   parameter ([Note: sharding] in tiermem/distributed.py), and a factored or blockwise state needs it whole.
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.RMSprop,
                         torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam,
                         torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD)
-_NOT_ELEMENTWISE = {
-    "Adafactor": "its state is a row and a column of statistics per matrix, which depend on each parameter's shape",
+_COUPLED = {  # by class name: their update couples parameters across units
     "LBFGS": "it keeps a history over all parameters at once and re-evaluates the model in a closure",
-    "Muon": "it orthogonalizes each matrix's update as a whole",
-    "SparseAdam": "it takes sparse gradients",
+    "SparseAdam": "it takes sparse gradients, and the accumulators hold dense ones",
+    "Prodigy": "it estimates its step size from sums over every parameter of a param group",
+    "DAdaptAdam": "it estimates its step size from sums over every parameter of a param group",
+    "DAdaptAdaGrad": "it estimates its step size from sums over every parameter of a param group",
+    "DAdaptAdan": "it estimates its step size from sums over every parameter of a param group",
+    "DAdaptLion": "it estimates its step size from sums over every parameter of a param group",
+    "DAdaptSGD": "it estimates its step size from sums over every parameter of a param group",
 }
+_OWN_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict")  # set on the user's instance inside the context
 _CHUNK = 1 << 20  # elements per call of the optimizer: bounds its temporaries (4 MiB each in fp32)
 
 
 def unsupported(optimizer: torch.optim.Optimizer | None) -> str | None:
-    """Why this optimizer cannot train under tiered_offload, with the fix; None when it can (or is None)."""
+    """Why this optimizer cannot train under tiered_offload, with the fix; None when it can (or is None).
+    Only optimizers whose update couples parameters across units are refused by name here; the others are
+    checked at entry by what their step keeps (`_probe_param`)."""
     kind = type(optimizer)
     if optimizer is None or kind in SUPPORTED_OPTIMIZERS:
         return None
+    why = _COUPLED.get(kind.__name__)
+    if why is None:
+        return None
     names = ", ".join(c.__name__ for c in SUPPORTED_OPTIMIZERS)
-    why = _NOT_ELEMENTWISE.get(kind.__name__) if kind.__module__.startswith("torch.optim") else None
-    because = f" ({why})" if why else ""
-    return (f"optimizer: {kind.__module__}.{kind.__name__} is not supported under tiered_offload{because}; use one of "
-            f"torch.optim's {names} (see [Note: which optimizers] in tiermem/optim/optimizer.py)")
+    return (f"optimizer: {kind.__module__}.{kind.__name__} is not supported under tiered_offload ({why}); use one "
+            f"of torch.optim's {names}, or another optimizer that updates each parameter from its own gradient and "
+            "state (transformers' Adafactor, bitsandbytes' 8-bit optimizers, Lion: see \"Optimizers\" in "
+            "docs/architecture.md)")
+
+
+def elementwise(kind: Any) -> bool:
+    """Whether `kind` is updated on flat ranges of many parameters (else per parameter: [Note: which
+    optimizers])."""
+    return kind in SUPPORTED_OPTIMIZERS
 
 
 def _settings(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -188,6 +224,103 @@ def _state_of(kind: Any, group: Mapping[str, Any]) -> tuple[tuple[str, ...], dic
     return kinds, dict(scalars)
 
 
+def own_attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The user's optimizer's attributes a shell of it takes (`_shell`): all but its state, its param groups and
+    the methods tiered_offload sets on it inside the context."""
+    return {k: v for k, v in optimizer.__dict__.items() if k not in ("state", "param_groups", *_OWN_METHODS)}
+
+
+def _shell(kind: Any, attrs: Mapping[str, Any], groups: list[dict[str, Any]],
+           state: Mapping[Any, dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+    """An instance of `kind` with the user's instance's attributes (`own_attributes`: its constructor's settings
+    that no param group holds, such as bitsandbytes' min_8bit_size) but these param groups and this state; no
+    constructor runs, so it allocates nothing."""
+    opt = object.__new__(kind)
+    opt.__dict__.update(attrs)
+    opt.state = defaultdict(dict, state or {})
+    opt.param_groups = groups
+    return opt
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """What a per-parameter optimizer keeps for a parameter of one shape ([Note: which optimizers])."""
+
+    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (key, shape, dtype): slots in the partition
+    scalars: tuple[tuple[str, Any], ...]  # (key, int, float, bool or the dtype of a 0-dim tensor): kept aside
+    order: tuple[str, ...]  # every key in the order the optimizer makes them (its state_dict's)
+
+    def scalar_type(self, key: str) -> Any:
+        return dict(self.scalars).get(key, float)
+
+
+def _describe(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype) if v.dim() else v.dtype
+    if isinstance(v, (bool, int, float)):
+        return type(v)
+    return None
+
+
+def _probe_param(kind: Any, attrs: Mapping[str, Any], settings: dict[str, Any], shape: tuple[int, ...]) -> ParamState:
+    """The state `kind` keeps for one fp32 parameter of `shape` with these settings, found by stepping a shell of
+    the user's optimizer twice on a scratch one; an OptimizerError naming why its state cannot be kept in tiers
+    or its update not run unit by unit."""
+    name = f"{kind.__module__}.{kind.__name__}"
+    fix = "use an optimizer that updates each parameter from its own gradient and state (see \"Optimizers\" in " \
+          "docs/architecture.md)"
+    gen = torch.Generator().manual_seed(0)
+    p = torch.zeros(shape)
+    opt = _shell(kind, attrs, [{**settings, "params": [p]}])
+    numbers = {k: v for k, v in opt.__dict__.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    seen = []
+    try:
+        for _ in range(2):
+            p.grad = torch.randn(shape, generator=gen)
+            _step_without_hooks(opt)
+            seen.append({k: _describe(v) for k, v in opt.state.get(p, {}).items()})
+    except Exception as exc:  # noqa: BLE001 - its own step's error, named
+        raise OptimizerError(f"optimizer: {name} could not step one parameter of shape {list(shape)} alone "
+                             f"({type(exc).__name__}: {exc}), as tiered_offload runs it unit by unit; {fix}") from exc
+    changed = sorted(k for k, v in opt.param_groups[0].items() if k != "params" and _hashable(v) !=
+                     _hashable(settings.get(k)))
+    counted = sorted(k for k, v in numbers.items() if opt.__dict__.get(k) != v)
+    bad = [k for k, v in seen[-1].items() if v is None]
+    why = None
+    if seen[0] != seen[1]:
+        why = f"the state it keeps per parameter changes between steps ({seen[0]} after one, {seen[1]} after two)"
+    elif bad:
+        kept = type(opt.state[p][bad[0]]).__name__
+        why = f"it keeps {bad[0]!r} per parameter as a {kept}, neither a tensor nor a number"
+    elif changed:
+        why = f"its step changes its param group's {changed[0]!r}, which couples every parameter of the group"
+    elif counted:
+        why = f"its step counts in the optimizer object itself ({counted[0]!r}), not per parameter"
+    if why is not None:
+        raise OptimizerError(f"optimizer: {name} is not supported under tiered_offload: {why}; {fix}")
+    tensors = tuple((k, d[0], d[1]) for k, d in seen[-1].items() if isinstance(d, tuple))
+    scalars = tuple((k, d) for k, d in seen[-1].items() if not isinstance(d, tuple))
+    return ParamState(tensors, scalars, tuple(seen[-1]))
+
+
+def _number(v: Any) -> int | float:
+    """A scalar state value as JSON keeps it (for checkpoints)."""
+    if isinstance(v, torch.Tensor):
+        return float(v) if v.is_floating_point() else int(v)
+    return int(v) if isinstance(v, bool) else v
+
+
+def _as_kept(v: Any, kind: Any) -> Any:
+    """A scalar read back from a checkpoint, as the optimizer keeps it (`ParamState.scalars`)."""
+    if isinstance(kind, torch.dtype):
+        return torch.tensor(v, dtype=kind)
+    return kind(v)
+
+
+def _copy(v: Any) -> Any:
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
 @dataclass
 class GroupRange:
     """One param group's parameters inside a unit: their FQNs in layout order."""
@@ -214,8 +347,11 @@ class UnitOptimState:
     state: Partition | None
     ranges: list[GroupRange]
     steps: dict[str, int] = field(default_factory=dict)  # optimizer steps taken per parameter
-    # per-parameter scalar state other than the step count (NAdam's mu_product, ASGD's eta and mu)
-    scalars: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # per-parameter scalar state other than the step count (NAdam's mu_product, ASGD's eta and mu); for a
+    # per-parameter optimizer every number or 0-dim tensor it keeps, as it keeps them (its own step count too)
+    scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # a per-parameter optimizer's state per parameter, by FQN ([Note: which optimizers]); empty on the flat path
+    own: dict[str, ParamState] = field(default_factory=dict)
     has_grad: set[str] = field(default_factory=set)  # parameters with a gradient since zero_grad
     grads_held: bool = False  # the accumulators are acquired for the backward in progress
     # discarded unzeroed ([Note: accumulators handed out unzeroed]): the bytes outside has_grad's views are
@@ -240,6 +376,7 @@ class StateTensor:
     unit: int  # the unit whose state partition holds it (`TieredOptimizer.state_partition`)
     slot: str  # its slot in that partition, "<kind>.<parameter>"
     shape: tuple[int, ...]  # the whole tensor's shape (with several ranks a partition holds a chunk of it)
+    dtype: torch.dtype = torch.float32  # bitsandbytes' 8-bit states are uint8
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -261,7 +398,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         # each parameter's place in model.parameters(), the order torch's clip_grad_norm_ stacks the norms in (a
         # unit's partitions hold the parameters by param group: see offload's [Note: training state per unit])
         self.model_rank = {id(p): i for i, p in enumerate(model_order)}
-        self.kind: Any = type(original)  # one of SUPPORTED_OPTIMIZERS, whose constructors take settings by name
+        self.kind: Any = type(original)  # the user's optimizer's class, whose step runs on each unit
+        self.elementwise = elementwise(self.kind)  # updated on flat ranges, else per parameter
+        self.attrs = own_attributes(original)  # what a shell of it takes (`_shell`), as it is before entry
         self.swapper = swapper
         self.mixed = mixed  # parameters are bf16/fp16: keep fp32 master weights in the state partition
         self._clip_scale: float | None = None  # clip_grad_norm_'s factor, applied to gradients at step
@@ -303,6 +442,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         if stray:
             raise OptimizerError("optimizer: it holds parameters that are not in the offloaded model; build it on "
                                  "model.parameters() (or groups of them)")
+        if not self.elementwise and any(u.ranks.sharded for u in units):
+            raise OptimizerError(
+                f"optimizer: {self.kind.__module__}.{self.kind.__name__} is not supported with several ranks: each "
+                "rank holds a chunk of every parameter, and it is updated per parameter, on whole tensors (a "
+                "factored or blockwise state, a matrix orthogonalized); train on one rank, or use one of "
+                "torch.optim's elementwise optimizers (see \"Optimizers\" in docs/architecture.md)")
         plans = []
         for unit in units:
             trainable = [(fqn, p, self.group_of[id(p)]) for fqn, p in unit.params
@@ -391,15 +536,36 @@ class TieredOptimizer(torch.optim.Optimizer):
         # the shapes the unit's partition holds: whole tensors, or with several ranks this rank's chunks
         shapes = {slot.name: slot.shape for slot in unit.partition.layout.slots}
         grad_specs = [(fqn, torch.empty(shapes[fqn], dtype=torch.float32, device="meta")) for fqn, _, _ in trainable]
-        state_specs = [(f"{k}.{fqn}", t) for k in self.state_kinds() for fqn, t in grad_specs]
+        if elementwise(self.kind):
+            state_specs = [(f"{k}.{fqn}", t) for k in self.state_kinds() for fqn, t in grad_specs]
+            return grad_specs, state_specs
+        state_specs = [(f"{k}.{fqn}", torch.empty(shape, dtype=dtype, device="meta"))
+                       for fqn, _, g in trainable for k, shape, dtype in self._param_state(g, shapes[fqn]).tensors]
+        if self.mixed:
+            state_specs += [(f"master.{fqn}", t) for fqn, t in grad_specs]
         return grad_specs, state_specs
+
+    def _param_state(self, group: int, shape: tuple[int, ...]) -> ParamState:
+        """What the per-parameter optimizer keeps for a parameter of this shape in this param group, probed once
+        per shape and settings (`_probe_param`)."""
+        settings = _settings(self.param_groups[group])
+        key = (tuple(sorted((k, _hashable(v)) for k, v in settings.items())), tuple(shape))
+        probed = self.__dict__.setdefault("_probed", {})
+        if key not in probed:
+            probed[key] = _probe_param(self.kind, self.attrs, settings, tuple(shape))
+        return probed[key]
 
     def state_kinds(self) -> list[str]:
         """The kinds of state kept per parameter, in the order of the state partition's slots: what the optimizer
         keeps elementwise for any of its param groups (exp_avg and exp_avg_sq for Adam, momentum_buffer for SGD
-        with momentum, ...; see `_probe`), then fp32 master weights for bf16/fp16 parameters."""
+        with momentum, ...; see `_probe`), or the tensors a per-parameter one keeps for any parameter, then fp32
+        master weights for bf16/fp16 parameters."""
         kinds: list[str] = []
-        for group in self.param_groups:
+        if not elementwise(self.kind):
+            for st in self.__dict__.get("units", []):
+                for ps in st.own.values():
+                    kinds += [k for k, _, _ in ps.tensors if k not in kinds]
+        for group in self.param_groups if elementwise(self.kind) else []:
             kinds += [k for k in _state_of(self.kind, group)[0] if k not in kinds]
         if self.mixed:
             kinds.append("master")
@@ -439,7 +605,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             ranges[-1].fqns.append(fqn)
         slots = {slot.name: slot for slot in unit.partition.layout.slots}
         end = max(slots[fqn].offset + slots[fqn].nbytes for fqn, _, _ in trainable)
-        return UnitOptimState(unit, trainable, grads, state, ranges, params_end=end, grads_unset=self.lazy)
+        own = {} if self.elementwise else {fqn: self._param_state(g, slots[fqn].shape) for fqn, _, g in trainable}
+        return UnitOptimState(unit, trainable, grads, state, ranges, params_end=end, grads_unset=self.lazy, own=own)
 
     # -- gradients (called by the runtime during backward) -------------------------------------------
     def accumulate(self, unit_index: int, fqn: str, grad: torch.Tensor) -> None:
@@ -649,6 +816,13 @@ class TieredOptimizer(torch.optim.Optimizer):
             if st.state is None:
                 continue
             shapes = dict(zip([f for f, _ in st.unit.params], st.unit.shapes, strict=True))
+            if not self.elementwise:  # what each parameter keeps, whole tensors (one rank)
+                for fqn, _, _ in st.trainable:
+                    for k, shape, dtype in st.own[fqn].tensors:
+                        yield StateTensor(f"{fqn}::{k}", st.unit.index, f"{k}.{fqn}", shape, dtype)
+                    if self.mixed:
+                        yield StateTensor(f"{fqn}::master", st.unit.index, f"master.{fqn}", tuple(shapes[fqn]))
+                continue
             for kind in kinds:
                 for fqn, _, _ in st.trainable:
                     yield StateTensor(f"{fqn}::{kind}", st.unit.index, f"{kind}.{fqn}", tuple(shapes[fqn]))
@@ -950,8 +1124,9 @@ class TieredOptimizer(torch.optim.Optimizer):
                 if settings.factor != 1.0:  # unscale (float16) and clip, in one pass
                     for f in fqns:
                         grads[f].mul_(settings.factor)
+                update = self._update_range if self.elementwise else self._update_params
                 for rng in st.ranges:
-                    self._update_range(st, rng, params, grads, state, settings.groups[rng.group], fqns)
+                    update(st, rng, params, grads, state, settings.groups[rng.group], fqns)
                 if done is not None:
                     done.pop(st.unit.index, None)  # applied: never again
             if self.tracer is not None:
@@ -1000,6 +1175,67 @@ class TieredOptimizer(torch.optim.Optimizer):
             if self.mixed:
                 for f in batch:
                     params[f].copy_(state[f"master.{f}"])
+
+    def _update_params(self, st: UnitOptimState, rng: GroupRange, params: dict[str, torch.Tensor],
+                       grads: dict[str, torch.Tensor], state: dict[str, torch.Tensor], group: dict[str, Any],
+                       fqns: frozenset[str]) -> None:
+        """The per-parameter path ([Note: which optimizers]): a shell of the user's optimizer steps the range's
+        parameters that have a gradient, as fp32 tensors of their own shapes (views of the parameters, or of
+        the master weights), their state views of the state partition and the scalars kept aside."""
+        live = [f for f in rng.fqns if f in fqns]
+        if not live:
+            return
+        target, prefix = (state, "master.") if self.mixed else (params, "")
+        tensors = {f: target[prefix + f] for f in live}
+        opt = _shell(self.kind, self.attrs, [{**_settings(group), "params": list(tensors.values())}])
+        for f, t in tensors.items():
+            t.grad = grads[f]
+            if f in st.steps:  # else the optimizer makes its state, as on its first step in memory
+                kept = st.scalars.get(f, {})
+                opt.state[t] = {k: _copy(kept[k]) if k in kept else state[f"{k}.{f}"] for k in st.own[f].order
+                                if k in kept or f"{k}.{f}" in state}
+        try:
+            _step_without_hooks(opt)
+        finally:
+            for t in tensors.values():
+                t.grad = None
+            after = {f: opt.state.pop(t, {}) for f, t in tensors.items()}
+            opt.param_groups[0]["params"] = []
+        for f in live:
+            self._keep(st, f, after[f], state)
+            st.steps[f] = st.steps.get(f, 0) + 1
+            if self.mixed:
+                params[f].copy_(state[f"master.{f}"])
+
+    def _keep(self, st: UnitOptimState, fqn: str, new: Mapping[str, Any], state: dict[str, torch.Tensor]) -> None:
+        """Keep what a per-parameter optimizer's step left for one parameter: tensors in their slots (copied
+        there if it made new ones), numbers aside; anything the probe did not foresee is an error naming it."""
+        ps = st.own[fqn]
+        slots = {k: (shape, dtype) for k, shape, dtype in ps.tensors}
+        kept: dict[str, Any] = {}
+        for k, v in new.items():
+            if k in slots:
+                view = state[f"{k}.{fqn}"]
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != view.shape or v.dtype != view.dtype:
+                    raise OptimizerError(f"optimizer: {self.kind.__name__} kept {k!r} of {fqn!r} as {_describe(v)}, "
+                                         f"where its first steps kept {slots[k]}; tiered_offload sizes the state "
+                                         "before the first step, and cannot keep state whose shape changes")
+                if v.data_ptr() != view.data_ptr():
+                    view.copy_(v)
+            elif _describe(v) is not None and not isinstance(_describe(v), tuple):
+                kept[k] = v.detach() if isinstance(v, torch.Tensor) else v
+            else:
+                raise OptimizerError(f"optimizer: {self.kind.__name__} kept {k!r} of {fqn!r} as "
+                                     f"{_describe(v) or type(v)}, which its first steps did not keep; tiered_offload "
+                                     "sizes the state before the first step, and cannot keep state that appears later")
+        missing = [k for k in slots if k not in new]
+        if missing:
+            raise OptimizerError(f"optimizer: {self.kind.__name__} dropped {missing[0]!r} of {fqn!r}, which its first "
+                                 "steps kept; tiered_offload cannot keep state that comes and goes")
+        if kept:
+            st.scalars[fqn] = kept
+        else:
+            st.scalars.pop(fqn, None)
 
     def _scalars(self, st: UnitOptimState, fqn: str, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """One parameter's scalar state as torch's optimizer keeps it: its step count as a tensor (for those
@@ -1082,6 +1318,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _state_dict(self, keep: bool) -> dict[str, Any]:
         self.flush()
+        if not self.elementwise:
+            return self._own_state_dict()
         state: dict[int, dict[str, Any]] = {}
         for st in self.units:
             if not st.steps:  # the same units on every rank: steps are counted per parameter
@@ -1103,6 +1341,75 @@ class TieredOptimizer(torch.optim.Optimizer):
             saved["params"] = [self.index_of[id(p)] for p in group["params"]]
             groups.append(saved)
         return {"state": state, "param_groups": groups}
+
+    def _own_state_dict(self) -> dict[str, Any]:
+        """A per-parameter optimizer's state_dict, made by its class's own `state_dict` on a shell holding every
+        parameter's state (copies), so its format is the one it has in memory (bitsandbytes wraps its
+        quantization state, for one)."""
+        entries: dict[nn.Parameter, dict[str, Any]] = {}
+        for st in self.units:
+            if not st.steps:
+                continue
+            with self._whole_state(st) as views:
+                for fqn, p, _ in st.trainable:
+                    if fqn not in st.steps:
+                        continue
+                    kept = st.scalars.get(fqn, {})
+                    entries[p] = {k: _copy(kept[k]) if k in kept else views[f"{k}.{fqn}"].clone()
+                                  for k in st.own[fqn].order if k in kept or f"{k}.{fqn}" in views}
+        shell = _shell(self.kind, self.attrs, self.param_groups, entries)
+        out: dict[str, Any] = self.kind.state_dict(shell)
+        return out
+
+    def _load_own_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a per-parameter optimizer's state_dict with its class's own `load_state_dict`, into a shell whose
+        parameters are fp32 placeholders (what its tensors are cast to: the fp32 state it steps), then into the
+        slots and scalars."""
+        stand_in = {id(p): torch.empty(0) for group in self.param_groups for p in group["params"]}
+        groups = [{**group, "params": [stand_in[id(p)] for p in group["params"]]} for group in self.param_groups]
+        shell = _shell(self.kind, self.attrs, groups)
+        try:
+            self.kind.load_state_dict(shell, state_dict)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise OptimizerError(f"load_state_dict: {self.kind.__name__} could not load it ({exc}); load a state_dict "
+                                 "of this optimizer with the same param groups") from exc
+        for saved, group in zip(shell.param_groups, self.param_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for st in self.units:
+            loaded = {fqn: shell.state.get(stand_in[id(p)]) for fqn, p, _ in st.trainable}
+            if not st.steps and not any(loaded.values()):
+                continue  # nothing held, nothing to load
+            views = self.swapper.acquire(st.state, Tier.HOST) if st.state is not None else {}
+            try:
+                for fqn, _, _ in st.trainable:
+                    entry = loaded[fqn]
+                    st.scalars.pop(fqn, None)
+                    if not entry:
+                        st.steps.pop(fqn, None)
+                        continue
+                    ps = st.own[fqn]
+                    for k, shape, dtype in ps.tensors:
+                        v = entry.get(k)
+                        if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != dtype:
+                            raise OptimizerError(f"load_state_dict: the state {k!r} of {fqn!r} is {_describe(v)}, "
+                                                 f"where {self.kind.__name__} keeps {(shape, dtype)}; load a "
+                                                 "state_dict of this optimizer with the same settings")
+                        views[f"{k}.{fqn}"].copy_(v)
+                    slots = {k for k, _, _ in ps.tensors}
+                    kept = {k: _copy(v) for k, v in entry.items() if k not in slots}
+                    odd = [k for k, v in kept.items() if not isinstance(_describe(v), type | torch.dtype)]
+                    if odd:
+                        raise OptimizerError(f"load_state_dict: the state {odd[0]!r} of {fqn!r} is "
+                                             f"{_describe(kept[odd[0]]) or type(kept[odd[0]]).__name__}, which "
+                                             f"{self.kind.__name__} does not keep with these settings; load a "
+                                             "state_dict of this optimizer with the same settings")
+                    if kept:
+                        st.scalars[fqn] = kept
+                    step: Any = kept.get("step")
+                    st.steps[fqn] = int(step) if _describe(step) not in (None, bool) else st.steps.get(fqn, 0) + 1
+            finally:
+                if st.state is not None:
+                    self.swapper.release(st.state, dirty=True)
 
     @contextmanager
     def _whole_state(self, st: Any) -> Iterator[dict[str, torch.Tensor]]:
@@ -1132,8 +1439,12 @@ class TieredOptimizer(torch.optim.Optimizer):
                           for slot in self.state_partition(unit_index).layout.slots])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a torch.optim-format state dict (e.g. from the original optimizer or `state_dict()`)."""
+        """Load a torch.optim-format state dict (e.g. from the original optimizer or `state_dict()`); for a
+        per-parameter optimizer, its own class's format."""
         self.flush()
+        if not self.elementwise:
+            self._load_own_state_dict(state_dict)
+            return
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups, strict=True)):
@@ -1165,15 +1476,21 @@ class TieredOptimizer(torch.optim.Optimizer):
                 if st.state is not None:
                     self.swapper.release(st.state, dirty=True)
 
-    def scalar_state(self) -> dict[str, dict[str, float]]:
-        """Per-parameter scalar state other than step counts (NAdam, ASGD), by parameter name, for checkpoints."""
-        return {fqn: {k: float(v) for k, v in kept.items()} for st in self.units for fqn, kept in st.scalars.items()}
+    def scalar_state(self) -> dict[str, dict[str, int | float]]:
+        """Per-parameter scalar state other than step counts (NAdam, ASGD; every number a per-parameter optimizer
+        keeps), by parameter name, for checkpoints."""
+        return {fqn: {k: _number(v) for k, v in kept.items()} for st in self.units for fqn, kept in st.scalars.items()}
 
-    def load_scalar_state(self, saved: Mapping[str, Mapping[str, float]]) -> None:
+    def load_scalar_state(self, saved: Mapping[str, Mapping[str, int | float]]) -> None:
         """Put back what `scalar_state` returned."""
         for st in self.units:
             st.scalars = {}
             for fqn, _, g in st.trainable:
+                if not self.elementwise:
+                    own = {k: _as_kept(v, st.own[fqn].scalar_type(k)) for k, v in saved.get(fqn, {}).items()}
+                    if own:
+                        st.scalars[fqn] = own
+                    continue
                 dtypes = _state_of(self.kind, self.param_groups[g])[1]
                 kept = {k: torch.tensor(float(v), dtype=dtypes.get(k, torch.float32))
                         for k, v in saved.get(fqn, {}).items()}
