@@ -4,6 +4,7 @@ tiers (see [Note: torch's loop helpers inside the context] in tiermem/optim/loop
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -219,8 +220,9 @@ def test_activation_checkpointing_trains_as_in_memory(tmp_path, compute_device) 
 def test_model_load_state_dict_inside_the_context_loads_into_the_tiers(tmp_path, compute_device) -> None:
     """model.load_state_dict() of another model's weights inside the context: the logits inside and after exit
     are that model's. A wrong shape raises torch's error and leaves no unit held; with fp32 master weights
-    (params.dtype bfloat16 and an optimizer) it is refused, naming tm.load_checkpoint. Before, torch found
-    placeholders of no elements and raised a size mismatch for every parameter."""
+    (params.dtype bfloat16 and an optimizer) the values go into them too, and state_dict() and exit give them
+    back as loaded (before: refused). Before that, torch found placeholders of no elements and raised a size
+    mismatch for every parameter."""
     model, other = models.gpt2(), models.gpt2()
     with torch.no_grad():
         for p in other.parameters():
@@ -239,10 +241,15 @@ def test_model_load_state_dict_inside_the_context_loads_into_the_tiers(tmp_path,
         assert [u.depth for u in tm.units] == [0] * len(tm.units)
     with torch.no_grad():
         assert torch.equal(model(x).logits, want)
-    model, opt = model_and_optimizer()
+    model, opt = model_and_optimizer()  # params.dtype bfloat16: into the fp32 master weights too
     with tiered_offload(model, optimizer=opt, **cfg(tmp_path), **{"params.dtype": "bfloat16"}):
-        with pytest.raises(OffloadError, match=r"fp32 master weights .* tm\.load_checkpoint"):
-            model.load_state_dict(other.state_dict())
+        model.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            assert torch.equal(model.eval()(x).logits, copy.deepcopy(other).to(torch.bfloat16).eval()(x).logits)
+        for name, t in model.state_dict().items():  # the values as loaded, not their bfloat16 rounding
+            assert t.dtype == torch.float32 and torch.equal(t, other.state_dict()[name]), name
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, other.state_dict()[name]), name
     with tiered_offload(model, **settings):  # assign=True would swap the tiers' parameters for plain tensors
         with pytest.raises(OffloadError, match=r"load_state_dict\(assign=True\) .* call it without assign"):
             model.load_state_dict(other.state_dict(), assign=True)

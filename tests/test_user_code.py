@@ -179,3 +179,23 @@ def test_the_plan_line_shows_once_at_entry_without_logging_set_up_and_can_be_sil
     assert len(shown["plain"]) == 1 and shown["plain"][0].startswith("tiermem: tiered_offload plan: ")
     assert "units on cpu; params" in shown["plain"][0]
     assert shown["quiet"] == []
+
+
+@on_each_device
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_batchnorm_under_params_dtype_bfloat16_equals_model_bfloat16(tmp_path, mode: str) -> None:
+    """params.dtype bfloat16 casts floating buffers as model.bfloat16() does, so BatchNorm runs (before: PyTorch's
+    dtype error, whatever the input's dtype); its running statistics come back in their own dtype at exit."""
+    import copy
+
+    model = _trained_batchnorm_model().train(mode == "train")
+    ref = copy.deepcopy(model).bfloat16()
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.no_grad():
+        want = [ref(x), ref(x)]
+    with tiered_offload(model, **cfg(tmp_path, **{"params.dtype": "bfloat16"})):
+        with torch.no_grad():
+            assert torch.equal(model(x), want[0]) and torch.equal(model(x), want[1])
+    for name, buf in model.named_buffers():
+        assert buf.dtype == dict(_trained_batchnorm_model().named_buffers())[name].dtype, name
+        assert torch.equal(buf, dict(ref.named_buffers())[name].to(buf.dtype)), name

@@ -98,6 +98,50 @@ def _guarded_apply(handle: OffloadHandle, mod: nn.Module, fn: Callable[[torch.Te
     return type(mod)._apply(mod, fn, recurse)
 
 
+# [Note: master weights are the values]
+# With params.dtype bfloat16 or float16 and an optimizer, the optimizer keeps float32 master weights of every
+# trainable parameter and steps them; the stored parameters are their rounding, made for compute. Everything
+# that hands the weights to the user gives the masters, in the model's own dtype: model.state_dict() inside
+# the context, the model after exit, and tm.save_checkpoint() (whose weights are then float32, as the model
+# came in, so from_pretrained returns a float32 model and a resume loses nothing). model.load_state_dict()
+# inside the context writes both. To save the compute dtype instead, convert after exit:
+# model.to(torch.bfloat16).save_pretrained(dir). Frozen parameters have no masters: they are their rounding.
+# With several ranks each rank keeps chunks of the masters: state_dict() and exit give the rounding there,
+# and model.load_state_dict() is refused (tm.save_checkpoint / tm.load_checkpoint carry the masters).
+
+
+def masters_of(optimizer: TieredOptimizer | None, swapper: TensorSwapper, unit: Unit) -> dict[str, torch.Tensor]:
+    """Copies of the float32 master weights the optimizer keeps for `unit`'s trainable parameters when
+    params.dtype is bfloat16 or float16, by FQN, in their shapes: the values training arrived at, of which the
+    stored parameters are a rounding ([Note: master weights are the values]). Empty when there are none, and
+    with several ranks (each holds chunks of them)."""
+    st = optimizer.by_unit.get(unit.index) if optimizer is not None and optimizer.mixed else None
+    if st is None or st.state is None or not st.trainable or unit.ranks.sharded:
+        return {}
+    shapes = dict(zip((fqn for fqn, _ in unit.params), unit.shapes, strict=True))
+    views = swapper.acquire(st.state, Tier.HOST)
+    try:
+        return {fqn: views[f"master.{fqn}"].reshape(shapes[fqn]).clone() for fqn, _, _ in st.trainable}
+    finally:
+        swapper.release(st.state, tier=Tier.HOST)
+
+
+def _load_masters(optimizer: TieredOptimizer, swapper: TensorSwapper, unit: Unit,
+                  values: Mapping[str, torch.Tensor]) -> None:
+    """Write `values` (by FQN) into the float32 master weights of `unit`'s trainable parameters."""
+    st = optimizer.by_unit.get(unit.index)
+    if st is None or st.state is None:
+        return
+    views = swapper.acquire(st.state, Tier.HOST)
+    try:
+        for fqn, _, _ in st.trainable:
+            if fqn in values:
+                view = views[f"master.{fqn}"]
+                view.copy_(values[fqn].detach().reshape(view.shape))
+    finally:
+        swapper.release(st.state, dirty=True, tier=Tier.HOST)
+
+
 def _refused_weights(model: nn.Module) -> str | None:
     """Why the model's weights cannot go into tiers, with the fix; None when they can."""
     for name, p in model.named_parameters():
@@ -123,7 +167,8 @@ class OffloadHandle:
         self.config: Config = swapper.config
         self.optimizer = optimizer  # the stand-in for the optimizer passed in (None when not training)
         self._unit_of: dict[int, int] = {}  # id(parameter) -> the unit holding it
-        self._loading: list[tuple[nn.Module, list[int]]] = []  # units held by a load_state_dict under way
+        # units held by a load_state_dict under way, with the values for their master weights
+        self._loading: list[tuple[nn.Module, list[int], dict[str, torch.Tensor]]] = []
         self._taking_part = False  # model.state_dict() gathers for another rank's and keeps nothing
         # the state dict a model.state_dict() call is filling, and the copies made for it, by id(parameter)
         self._copies: tuple[Callable[[], Any], weakref.WeakValueDictionary[int, torch.Tensor], set[int]] = (
@@ -340,9 +385,13 @@ class OffloadHandle:
         for i in dict.fromkeys(self._unit_of[id(p)] for _, p in mine):
             self.runtime.hold([i])
             try:
+                unit = self.units[i]
+                masters = masters_of(self.optimizer, self.swapper, unit)  # float32, as the model came in
+                fqn_of = {id(p): fqn for fqn, p in unit.params}
                 for key, p in mine:
                     if self._unit_of[id(p)] == i and not self._taking_part:
-                        state[key] = copies[id(p)] = p.detach().to("cpu", copy=True)
+                        value = masters.get(fqn_of[id(p)])
+                        state[key] = copies[id(p)] = value if value is not None else p.detach().to("cpu", copy=True)
             finally:
                 self.runtime.let_go([i])
 
@@ -368,18 +417,27 @@ class OffloadHandle:
         if not held:
             return
         self._check_whole("model.load_state_dict()")
-        if self.optimizer is not None and self.optimizer.mixed:
-            raise OffloadError(f"model.load_state_dict(): params.dtype is {self.config.params.dtype}, so the optimizer "
-                               "keeps fp32 master weights that loading would leave as they were; load the weights "
-                               "before entering tiered_offload, or use tm.load_checkpoint(dir)")
+        masters: dict[str, torch.Tensor] = {}
+        if self.optimizer is not None and self.optimizer.mixed:  # the values go into the float32 masters too
+            if self.ranks.sharded:
+                raise OffloadError(f"model.load_state_dict(): params.dtype is {self.config.params.dtype} and the "
+                                   "parameters are sharded over ranks, so the optimizer keeps chunks of float32 "
+                                   "master weights that loading cannot reach; load the weights before entering "
+                                   "tiered_offload, or use tm.load_checkpoint(dir)")
+            fqn_of = {id(p): fqn for i in held for fqn, p in self.units[i].params}
+            masters = {fqn_of[id(p)]: state[prefix + name] for name, p in module._parameters.items()
+                       if p is not None and id(p) in fqn_of and prefix + name in state}
         self.runtime.hold(held)
-        self._loading.append((module, held))
+        self._loading.append((module, held, masters))
 
     def _load_state_dict_post_hook(self, module: nn.Module, _incompatible: Any) -> None:
-        for k, (m, held) in enumerate(self._loading):
+        for k, (m, held, masters) in enumerate(self._loading):
             if m is module:
                 del self._loading[k]
                 self.runtime.let_go(held, dirty=True)
+                if masters and self.optimizer is not None:
+                    for i in held:
+                        _load_masters(self.optimizer, self.swapper, self.units[i], masters)
                 return
 
     def _release_loading(self) -> None:
@@ -951,11 +1009,11 @@ def _place_model(model: nn.Module, swapper: TensorSwapper, checkpoint: str | os.
         for pname, p in mod._parameters.items():
             if p is not None:
                 holders.setdefault(id(p), []).append((mod, pname))
-    moved: list[tuple[nn.Module, str, torch.device]] = []
+    moved: list[tuple[nn.Module, str, torch.device, torch.dtype]] = []
     try:
         try:
             with sources.generator():
-                _move_buffers(model, sources, swapper, moved)
+                _move_buffers(model, sources, swapper, moved, override)
                 for index, up in enumerate(plan.units):
                     units.append(_place_unit(index, up, swapper, sources, override, holders, optimizer,
                                             ranks or Ranks()))
@@ -1101,12 +1159,14 @@ def _swap_in_optimizer(optimizer: torch.optim.Optimizer | None, replaced: dict[i
 
 
 def _move_buffers(model: nn.Module, sources: WeightSources, swapper: TensorSwapper,
-                  moved: list[tuple[nn.Module, str, torch.device]]) -> None:
+                  moved: list[tuple[nn.Module, str, torch.device, torch.dtype]], dtype: torch.dtype | None) -> None:
     """Buffers stay resident on the compute device (they are small). With a checkpoint, every persistent
     buffer it holds comes from it, as every parameter does: BatchNorm's running statistics of a model built
     under accelerate's init_empty_weights() are real but freshly initialised, and the checkpoint's are the
     trained ones. Meta buffers it lacks come from their module's initialiser (see [Note: weight sources]).
-    Each one moved is added to `moved` with the device to give it back on (the CPU for a meta buffer)."""
+    With params.dtype (`dtype`) floating buffers are cast to it too, as model.to(dtype) casts them (BatchNorm's
+    statistics must match its weights' dtype). Each one moved is added to `moved` with the device and dtype to
+    give it back in (the CPU for a meta buffer)."""
     for mod_name, mod in model.named_modules():
         for name, buf in list(mod._buffers.items()):
             if buf is None:
@@ -1131,16 +1191,18 @@ def _move_buffers(model: nn.Module, sources: WeightSources, swapper: TensorSwapp
                     raise OffloadError(f"buffer {fqn!r} is on the meta device and not in the checkpoint; build the "
                                        "model with real buffers (e.g. accelerate's init_empty_weights("
                                        "include_buffers=False)), or allow it with init_missing")
-            moved.append((mod, name, origin))
+            moved.append((mod, name, origin, buf.dtype))
+            if dtype is not None and buf.is_floating_point():
+                buf = buf.to(dtype)
             mod._buffers[name] = swapper.mover.tensor_to_device(buf)
 
 
-def _restore_buffers(moved: list[tuple[nn.Module, str, torch.device]]) -> None:
-    """Give the buffers moved at entry back to the devices they came from, with their current values."""
-    for mod, name, device in moved:
+def _restore_buffers(moved: list[tuple[nn.Module, str, torch.device, torch.dtype]]) -> None:
+    """Give the buffers moved at entry back to the devices and dtypes they came in, with their current values."""
+    for mod, name, device, dtype in moved:
         buf = mod._buffers.get(name)
         if buf is not None:
-            mod._buffers[name] = buf.to(device, copy=True)
+            mod._buffers[name] = buf.to(device, dtype, copy=True)
     moved.clear()
 
 
@@ -1175,6 +1237,16 @@ def _unpack(handle: OffloadHandle, restore: bool, raised: bool = False) -> None:
         _swap_in_optimizer(handle.optimizer.original if handle.optimizer is not None else None, made)
         return
     failed = _restore_units(handle.model, handle.units, handle.swapper)
+    for unit in handle.units:  # the values training arrived at, not their params.dtype rounding
+        try:
+            values = masters_of(handle.optimizer, handle.swapper, unit)
+        except Exception as exc:  # noqa: BLE001 - the rounded values stay, said here
+            log.error("could not read the float32 master weights of unit %r (%s): its parameters keep their "
+                      "%s values", unit.name, exc, handle.config.params.dtype)
+            continue
+        for fqn, p in unit.params:
+            if fqn in values and fqn not in failed:
+                p.data.copy_(values[fqn])
     if failed:
         raise _restore_error(failed, "")
 

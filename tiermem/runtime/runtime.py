@@ -98,7 +98,8 @@ class Runtime:
         self._distance: tuple[int, dict[int, int]] = (-1, {})  # (cursor, unit -> acquisitions until next use)
         self.activations: ActivationStore | None = None  # saved activations on NVMe (activations.tier)
         self.kv: Any = None  # the tiered KV cache's blocks (kv.tier other than memory), see kv_cache.py
-        self.moved_buffers: list[tuple[nn.Module, str, torch.device]] = []  # (module, name, origin) to give back
+        # (module, name, device, dtype) of each buffer moved at entry, to give it back in
+        self.moved_buffers: list[tuple[nn.Module, str, torch.device, torch.dtype]] = []
         self.checkpoint_bytes_read = 0  # what entry read from checkpoint= (with several ranks, this rank's chunks)
         self.checkpoint_bytes_written = 0  # the tensors' bytes tm.save_checkpoint wrote (with several ranks, its own)
         self._ahead: tuple[int, Gathering] | None = None  # a unit whose gather started early (several ranks)
