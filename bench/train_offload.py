@@ -134,6 +134,30 @@ SEED = 0  # the model's initial weights
 INPUT_SEED = 1234  # the token ids
 # fused: PyTorch's fastest CPU AdamW kernel, for (a) and, as tiermem runs the kernel the optimizer asks for, (b) and (c)
 ADAMW: dict[str, Any] = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "fused": True}
+# --optimizers: what the plain and tiermem variants train with instead of AdamW (fused above), each at its
+# usual fine-tuning settings; the ones other than AdamW tiermem steps per parameter ([Note: which optimizers])
+OPTIMIZERS = ("adamw", "adafactor", "adamw8bit", "lion")
+
+
+def make_optimizer(name: str, params: list[Any]) -> Any:
+    """The optimizer `name` (one of OPTIMIZERS) on `params`."""
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, **ADAMW)
+    if name == "adafactor":  # transformers' defaults: relative step, scaled by each parameter's RMS
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params)
+    if name == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0.01)
+    if name == "lion":
+        from lion_pytorch import Lion
+
+        return Lion(params, lr=1e-5, weight_decay=0.1)
+    raise ValueError(name)
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter + gradient + exp_avg + exp_avg_sq
 # Goals from the issue.
 IO_GOAL = 1.3  # (c) <= this x max((a), bytes moved per step / engine bandwidth)
@@ -294,12 +318,12 @@ def variant_worker(spec: dict[str, Any]) -> dict[str, Any]:
     opt: Any = None  # what step() is called on: AdamW, tm.optimizer or DeepSpeed's
     stack: list[Any] = []  # context managers to leave at the end
     if v.kind == "plain":
-        opt = torch.optim.AdamW(params, **ADAMW)
+        opt = make_optimizer(spec.get("optimizer", "adamw"), params)
         fwd = model
     elif v.kind == "tiermem":
         import tiermem
 
-        opt0 = torch.optim.AdamW(params, **ADAMW)
+        opt0 = make_optimizer(spec.get("optimizer", "adamw"), params)
         overrides = dict(spec["tiermem"])
         out["tiermem_overrides"] = overrides
         ctx = tiermem.tiered_offload(model, optimizer=opt0, **overrides)
@@ -942,6 +966,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--io-load", default="0.38,0.35", metavar="READ,WRITE",
                    help="GB/s fio reads and writes beside (a/io) (default 0.38,0.35: with the default model and "
                         "budget, about the bytes (e) moves per step, 1.17 GB read and 1.10 GB written)")
+    p.add_argument("--optimizers", default=None, metavar="LIST",
+                   help="comma-separated subset of " + ",".join(OPTIMIZERS) + ": instead of the comparison above, run "
+                   "each --variants variant (plain and tiermem ones) with each of these optimizers, every round, and "
+                   "report mean step and update times and their ratios to AdamW's in the same variant and to plain "
+                   "PyTorch's with the same optimizer")
     p.add_argument("--json", metavar="OUT.json", default=None, help="also write every figure to this file")
     args = p.parse_args(argv)
     if args.heads is None:
@@ -956,6 +985,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     args.variant_list = [BY_KEY[k] for k in check_variants(p, args.variants, list(BY_KEY))]
+    if args.optimizers is not None:
+        args.optimizer_list = check_variants(p, args.optimizers, list(OPTIMIZERS), flag="--optimizers")
+        if any(v.kind not in ("plain", "tiermem") or v.key in TRAINER_LOOP or v.key == "plain_io"
+               for v in args.variant_list):
+            p.error("--optimizers: --variants must name plain and tiermem variants only (not deepspeed, the "
+                    "Trainer's or plain_io)")
     if min(args.rounds, args.steps, args.layers, args.batch, args.seq) < 1 or args.warmup < 0 \
             or args.width % args.heads:
         p.error("--rounds, --steps, --layers, --batch and --seq must be >= 1, --warmup >= 0, and --width a multiple "
@@ -972,6 +1007,48 @@ def model_info(args: argparse.Namespace) -> dict[str, Any]:
             "n_positions": s, "dtype": "float32", "parameters": params,
             "parameters_counting_tied_twice": params + v * w,
             "training_state_bytes": STATE_BYTES_PER_PARAM * params, "batch": [args.batch, args.seq]}
+
+
+def optimizer_costs(args: argparse.Namespace, argv: list[str], base: dict[str, Any], tiers: dict[str, Any],
+                    system: dict[str, Any], versions: dict[str, str], model: dict[str, Any]) -> int:
+    """--optimizers: every variant with every optimizer, once a round in its own process (rotating order);
+    mean step and optimizer-step seconds over the timed steps, and their ratios."""
+    runs: list[dict[str, Any]] = []
+    pairs = [(v, name) for name in args.optimizer_list for v in args.variant_list]
+    for rnd in range(args.rounds):
+        for v, name in rotated(pairs, rnd):
+            out = run_variant(v, {**base, "variant": v.key, "tiermem": tiers.get(v.key), "optimizer": name}, args, "")
+            out.pop("took_seconds", None)
+            out.update(round=rnd, optimizer=name)
+            if "error" in out:
+                print(f"[{rnd + 1}/{args.rounds}] {name} {v.label} FAILED:\n{out['error']}", file=sys.stderr)
+            else:
+                timed = [x for x in out["samples"] if not x["warmup"]]
+                print(f"[{rnd + 1}/{args.rounds}] {name:<10} {v.label:<27} "
+                      + " ".join(f"{x['seconds']:.3f}" for x in timed) + " s/step", file=sys.stderr, flush=True)
+            runs.append(out)
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    for v, name in pairs:
+        timed = [x for r in runs if r["variant"] == v.key and r["optimizer"] == name and "error" not in r
+                 for x in r["samples"] if not x["warmup"]]
+        if timed:
+            table[v.key, name] = {"step_seconds": statistics.fmean(x["seconds"] for x in timed),
+                                  "optimizer_seconds": statistics.fmean(x["optimizer_seconds"] for x in timed),
+                                  "steps": len(timed)}
+    print(f"\n{'optimizer':<10} {'variant':<27} {'step s':>8} {'opt s':>8} {'/ AdamW':>8} {'/ plain':>8}")
+    for (key, name), row in table.items():
+        adamw, plain = table.get((key, "adamw")), table.get(("plain", name))
+        row["step_to_adamw"] = row["step_seconds"] / adamw["step_seconds"] if adamw else float("nan")
+        row["step_to_plain"] = row["step_seconds"] / plain["step_seconds"] if plain else float("nan")
+        print(f"{name:<10} {BY_KEY[key].label:<27} {row['step_seconds']:>8.3f} {row['optimizer_seconds']:>8.3f} "
+              f"{row['step_to_adamw']:>8.2f} {row['step_to_plain']:>8.2f}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        write_json(args.json, {"command": " ".join(["python3", "bench/train_offload.py", *argv]), "system": system,
+                               "versions": versions, "model": model, "tiermem_overrides": tiers,
+                               "table": [{"variant": k, "optimizer": n, **row} for (k, n), row in table.items()],
+                               "runs": runs})
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -1019,6 +1096,8 @@ def main(argv: list[str]) -> int:
     tiers["tiermem_default_torchalloc"] = {**tiers["tiermem_default"], "memory.cpu_allocator": "torch"}
     tiers["tiermem_default_trainer"] = tiers["tiermem_default"]
     variants = args.variant_list
+    if args.optimizers is not None:
+        return optimizer_costs(args, argv, base, tiers, system, versions, model)
     runs: list[dict[str, Any]] = []
     update_runs: list[dict[str, Any]] = []  # one process of the update benchmark per round
     disturbed: list[dict[str, Any]] = []  # processes run again because others took CPU during their steps
