@@ -571,3 +571,33 @@ def test_hf_trainer_under_torchrun_saves_checkpoints_and_resumes_as_ddp_in_memor
     from tests.ranks import run_ranks
 
     run_ranks(_trainer_checkpoints_on_ranks, 2, tmp_path, timeout_s=120)
+
+
+def test_hf_trainer_resumes_under_the_shipped_config_as_if_never_stopped(tmp_path, compute_device) -> None:
+    """configs/nvme.yaml (params.dtype bfloat16): a Trainer that saves at step 2 and a fresh model and context
+    resuming from that checkpoint end with the weights of a run never stopped, bit for bit, and the checkpoint's
+    weights are the float32 masters (before: the Trainer's own model.load_state_dict() of its resume raised
+    "params.dtype is bfloat16 ...", and its saves held bfloat16-rounded weights)."""
+    from safetensors.torch import load_file
+    from transformers import Trainer
+
+    shipped = str(Path(__file__).resolve().parents[1] / "configs" / "nvme.yaml")
+
+    def run(out: Path, stop_at: int | None) -> dict[str, torch.Tensor]:
+        for resume in ((False, True) if stop_at else (False,)):
+            torch.manual_seed(0)
+            model, opt = model_and_optimizer()
+            args = trainer_args(out, save_strategy="steps", save_steps=2, lr_scheduler_type="constant",
+                                max_steps=stop_at if stop_at and not resume else 4)  # (a schedule of max_steps)
+            trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, None))
+            with tiered_offload(model, shipped, optimizer=opt, device="cpu", **{
+                    "nvme.paths": [str(tmp_path / f"swap-{out.name}-{resume}")], "memory.host_budget": "64MiB"}):
+                trainer.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume else None)
+        return weights(model)
+
+    whole = run(tmp_path / "whole", None)
+    resumed = run(tmp_path / "resumed", 2)
+    assert differing(whole, resumed) == []
+    saved = load_file(str(tmp_path / "resumed" / "checkpoint-2" / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in saved.values())  # not a bfloat16 rounding
