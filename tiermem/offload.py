@@ -31,7 +31,15 @@ from tiermem.config import Config, load_config
 from tiermem.cpu_allocator import cpu_allocator, trim
 from tiermem.device import resolve_device
 from tiermem.distributed import Ranks, chunk_specs
-from tiermem.errors import BudgetError, CheckpointError, ConfigError, OffloadError, RestoreError, StoreError
+from tiermem.errors import (
+    BudgetError,
+    CheckpointError,
+    ConfigError,
+    OffloadError,
+    RestoreError,
+    StoreError,
+    TiermemError,
+)
 from tiermem.interrupts import deferred_interrupts
 from tiermem.io.bandwidth import path_weights
 from tiermem.io.engine import IOEngine
@@ -140,6 +148,40 @@ def _load_masters(optimizer: TieredOptimizer, swapper: TensorSwapper, unit: Unit
                 view.copy_(values[fqn].detach().reshape(view.shape))
     finally:
         swapper.release(st.state, dirty=True, tier=Tier.HOST)
+
+
+def _read_unfetched(handle: OffloadHandle, exc: BaseException) -> OffloadError | None:
+    """For PyTorch's error from a forward that read parameters of a submodule it did not call (a parent using
+    `self.head.weight` directly), which tiermem had not fetched: an OffloadError naming them, the module that
+    read them and the fix. None for any other error."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, TiermemError):
+        return None
+    names = {id(m): name for name, m in handle.model.named_modules()}
+    tb, innermost = exc.__traceback__, None
+    while tb is not None:  # the innermost frame of one of the model's modules: where the read happened
+        frame_self = tb.tb_frame.f_locals.get("self")
+        if isinstance(frame_self, nn.Module) and id(frame_self) in names:
+            innermost = frame_self
+        tb = tb.tb_next
+    if innermost is None:
+        return None
+    ran = handle.runtime.ran_this_pass()  # submodules it called ran and were let go: not what it read
+    empty = [fqn for fqn, p in innermost.named_parameters()
+             if id(p) in handle._unit_of and p.numel() == 0 and handle._unit_of[id(p)] not in ran]
+    if not empty:
+        return None
+    where = names[id(innermost)]
+    prefix = f"{where}." if where else ""
+    shown = ", ".join(prefix + fqn for fqn in empty[:4]) + (f" and {len(empty) - 4} more" if len(empty) > 4 else "")
+    kind = type(innermost).__name__
+    fix = (f"for other reads, make {kind} and what it reads one unit with wrap.classes: [{kind}] in the config"
+           if innermost is not handle.model else "write the read so, or call the submodule rather than reading its "
+           "weight")
+    return OffloadError(
+        f"{kind} ({where or 'the model'}) used a parameter of a submodule it did not call in this forward (one of "
+        f"{shown}): tiermem fetches a unit's parameters only while its module runs, and outside that they are "
+        f"empty placeholders (PyTorch said: {exc}). tiermem finds reads written as self.<submodule>.<parameter> "
+        f"in a forward's source and fetches them; {fix}")
 
 
 def _refused_weights(model: nn.Module) -> str | None:
@@ -596,6 +638,9 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             yield handle
         except BaseException as exc:
             raised = True
+            unfetched = _read_unfetched(handle, exc)
+            if unfetched is not None:
+                raise unfetched from exc  # (the finally below gives the model back, as for any error)
             if ranks.sharded:
                 ranks.announce(exc)  # the others, waiting in a collective, end with this named
             raise

@@ -83,6 +83,7 @@ class Runtime:
         self.passes = 0
         self._unit_of = {id(u.partition): u.index for u in units}
         self._entered_at: dict[int, int] = {}  # unit -> the swapper's clock when it was last entered
+        self.pass_clock = 0  # the swapper's clock when the model's forward last began
         self._param_unit = {id(p): (u.index, fqn) for u in units for fqn, p in u.params}  # id -> (unit, FQN)
         self.optimizer: Any = None  # the TieredOptimizer that takes gradients, when training
         self._saved_hooks: Any = None  # the saved_tensors_hooks context, entered for the context's life
@@ -394,6 +395,7 @@ class Runtime:
             if self.activations is not None:
                 self.activations.begin_pass()
             self._pass_began = (self.tracer, self.tracer.now()) if self.tracer is not None else None
+            self.pass_clock = self.swapper.clock
         self._pass_depth += 1
 
     def _pass_end(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -799,6 +801,10 @@ class Runtime:
         update is still to come), not at the unit's next use, a whole pass away: the units read ahead meanwhile
         must not evict it (they did, and each decoding step read a KV cache under a tight budget 1.7 times)."""
         self._unit_of[id(part)] = unit
+
+    def ran_this_pass(self) -> set[int]:
+        """The units entered since the model's forward last began."""
+        return {i for i, at in self._entered_at.items() if at >= self.pass_clock}
 
     def entered_at(self, unit: int) -> int | None:
         """The swapper's clock when unit `unit` was entered, while it computes; None when it does not."""

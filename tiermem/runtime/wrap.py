@@ -130,7 +130,71 @@ def plan_units(model: nn.Module, classes: tuple[str, ...] = (), min_unit_bytes: 
             hooked = anchor if home is not None else mod
             if i not in needs.setdefault(hooked, []):
                 needs[hooked].append(i)
+    # modules whose forward reads a parameter of a submodule it does not call (`self.head.weight`)
+    for mod, read in _read_in_forward(model).items():
+        anchor = owner_root[id(mod)] or mod
+        home = index_of.get(id(anchor))
+        hooked = anchor if home is not None else mod
+        for param in read:
+            i = by_param.get(id(param))
+            if i is not None and i != home and i not in needs.setdefault(hooked, []):
+                needs[hooked].append(i)
     return WrapPlan(ordered, needs, aliases)
+
+
+# Reading these of a parameter needs no values: a placeholder answers them.
+_META_ONLY = frozenset({"dtype", "device", "is_meta", "is_cuda", "requires_grad", "ndim", "dim"})
+
+
+def _read_in_forward(model: nn.Module) -> dict[nn.Module, list[nn.Parameter]]:
+    """For each module whose class's `forward` reads `self.<submodule>...<parameter>` (accelerate's test model
+    `x @ self.linear.weight.t()`, a head applied as `F.linear(h, self.head.weight)`), those parameters: their
+    units are then needed by its forward as by the submodule's. Found in the source of forward, once per
+    class; a read it cannot see (through getattr, a loop over submodules) is named when it fails (see
+    `_read_unfetched` in tiermem/offload.py)."""
+    chains: dict[type, list[list[str]]] = {}
+    out: dict[nn.Module, list[nn.Parameter]] = {}
+    for mod in model.modules():
+        kind = type(mod)
+        if kind not in chains:
+            chains[kind] = _self_chains(kind)
+        for chain in chains[kind]:
+            owner: nn.Module | None = mod
+            for k, attr in enumerate(chain):
+                if owner is None:
+                    break
+                param = owner._parameters.get(attr)
+                if param is not None and k > 0:
+                    read = out.setdefault(mod, [])
+                    if not (k + 1 < len(chain) and chain[k + 1] in _META_ONLY) and all(q is not param for q in read):
+                        read.append(param)
+                    break
+                owner = owner._modules.get(attr)
+    return out
+
+
+def _self_chains(kind: type) -> list[list[str]]:
+    """The attribute chains `self.a.b.c` in the source of `kind.forward` ([] where it has none to read)."""
+    import ast
+    import inspect
+    import textwrap
+
+    forward = getattr(kind, "forward", None)
+    if forward is None or getattr(forward, "__module__", "").startswith("torch."):
+        return []
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    found: list[list[str]] = []
+    for node in ast.walk(tree):
+        chain: list[str] = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id == "self" and len(chain) >= 2:
+            found.append(chain[::-1])
+    return found
 
 
 def _coalesce(units: list[UnitPlan], min_bytes: int) -> list[UnitPlan]:
