@@ -28,6 +28,7 @@ class StrictGroup(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)  # what moves the bytes
+        self.options = self._gloo.options  # its timeout, as NCCL's backend carries its own
 
     def _device_only(self, what: str, *tensors: Any) -> None:
         for t in tensors:

@@ -812,6 +812,49 @@ def test_a_rank_that_raises_makes_the_others_raise_not_hang(tmp_path, stays: boo
     assert float(zero.split("\n")[1]) < 20, zero  # entry included; the announcement is looked for every 0.2 s
 
 
+def _one_rank_stalls(rank: int, world: int, folder: Path) -> None:
+    import time
+
+    from tiermem import RestoreError, tiered_offload
+
+    model = _gpt2()
+    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def stall(module: torch.nn.Module, args: object) -> None:  # alive, announcing nothing: a hung disk, a debugger
+        until = time.monotonic() + 60
+        while not (folder / "outcome0").exists() and time.monotonic() < until:
+            time.sleep(0.1)
+
+    if rank == 1:
+        model.transformer.h[1].register_forward_pre_hook(stall)
+    t0 = time.monotonic()
+    try:
+        with tiered_offload(model, **_offload_cfg(folder, rank)):
+            with torch.no_grad():
+                model(ids)
+    except RestoreError as exc:
+        cause = exc.__context__
+        (folder / f"outcome{rank}").write_text(f"{type(cause).__name__}: {cause}\n{time.monotonic() - t0:.1f}")
+        return
+    raise AssertionError("no error")
+
+
+def test_a_rank_that_stops_answering_ends_the_others_wait_at_the_groups_timeout_named(
+        tmp_path, rank_backend: str) -> None:
+    """Rank 1 stays alive but stops (in a forward pre-hook) while rank 0 waits for it in a collective: rank 0
+    gets a RanksError naming rank 1 as the rank that did not arrive once the process group's timeout (8 s here)
+    has passed, not later (before: it was still waiting after 120 s with a 10 s timeout); rank 1, when it goes
+    on, ends with rank 0's error named instead of waiting out a timeout of its own."""
+    run_ranks(_one_rank_stalls, 2, tmp_path, timeout_s=8, backend=rank_backend)
+    zero = (tmp_path / "outcome0").read_text()
+    one = (tmp_path / "outcome1").read_text()
+    assert zero.startswith("RanksError: rank 0 of 2: "), zero
+    assert "rank 1 did not arrive within the process group's timeout (8 s" in zero, zero
+    assert 8 <= float(zero.split("\n")[1]) < 8 + 15, zero  # entry included
+    assert "rank 0 failed and left the collective: RanksError" in one and "rank 1 did not arrive" in one, one
+    assert float(one.split("\n")[1]) < float(zero.split("\n")[1]) + 8, (zero, one)
+
+
 def _gpt2_with_buffer() -> torch.nn.Module:
     model = _gpt2()
     model.register_buffer("tally", torch.zeros(3))  # persistent: a checkpoint holds it

@@ -42,12 +42,22 @@ writes what it raised into the process group's store (`Ranks.announce`, under a 
 rank waiting for a collective on gloo waits in slices of `_POLL` seconds, looking at the store between them
 (`Ranks._wait`): it raises a RanksError naming the failed rank and its error within a slice of the
 announcement. A rank that died instead breaks gloo's connections, and the wait fails at once; the
-timeout given to `init_process_group` stays the bound on everything else (a rank that never arrives).
+timeout given to `init_process_group` bounds everything else (see [Note: a rank that does not arrive]).
 NCCL's `wait()` does not block the host (it orders the compute stream after the collective), so a rank
 waiting there would only be stopped at its next synchronisation, which would never return: on NCCL
 `Ranks._poll` asks the work whether it completed instead, looking at the store between the questions. (gloo's
 works cannot be asked: its reduce-scatter's never says it completed, so gloo and other backends wait in
 slices.)
+
+# [Note: a rank that does not arrive]
+A rank that is alive but never reaches the collective (a deadlock, a hung disk or GPU, a debugger) announces
+nothing, and gloo's own timeout does not end a wait made of slices: each slice's "timed out" looks like the
+one before. So every wait counts its own time and ends at the process group's timeout (`Ranks.timeout`, read
+from the group's options) with a RanksError naming the ranks that never arrived. Which ones: every rank numbers
+its waits alike (`Ranks.waits`; the ranks run the same collectives in the same order), and one that has waited
+a slice writes the number of the wait it is in to the store; a rank whose last number is below the waiting
+rank's never got there. The rank that gives up announces it, so the stuck one, if it ever arrives, ends with
+that named rather than waiting out a timeout of its own.
 
 # [Note: collectives on NCCL]
 NCCL takes device memory only, and a default `init_process_group("nccl")` has no CPU backend. tiermem's
@@ -98,6 +108,13 @@ class Traffic:
         self.__dict__.update(Traffic().__dict__)
 
 
+def _relayed(message: str) -> RanksError:
+    """A RanksError that passes on another rank's announced failure (not announced again)."""
+    exc = RanksError(message)
+    exc.relayed = True  # type: ignore[attr-defined]
+    return exc
+
+
 _POLL = datetime.timedelta(seconds=0.2)  # how often a rank waiting on gloo looks for another's failure
 _ENTRIES = itertools.count()  # tiered_offload entries with several ranks: every rank counts the same ones
 
@@ -114,6 +131,9 @@ class Ranks:
     # the compute device's mover: host tensors are staged through its memory where the backend takes device
     # memory only (see [Note: collectives on NCCL])
     mover: DeviceMover | None = field(default=None, compare=False, repr=False)
+    # how many waits for a collective this rank has begun: every rank counts the same ones (see [Note: a rank
+    # that does not arrive])
+    waits: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @classmethod
     def of(cls, group: Any = None) -> Ranks:
@@ -200,9 +220,10 @@ class Ranks:
             return None
 
     def announce(self, exc: BaseException) -> None:
-        """Tell the other ranks that this one left on `exc`, so their waits end with it named. A RanksError is
-        another rank's failure, already announced; an announcement that cannot be made is only logged."""
-        if self._store is None or isinstance(exc, RanksError):
+        """Tell the other ranks that this one left on `exc`, so their waits end with it named. A RanksError
+        relaying another rank's failure is already announced; an announcement that cannot be made is only
+        logged."""
+        if self._store is None or getattr(exc, "relayed", False):
             return
         try:
             self._store.set(f"{self.scope}/failed/{self.rank}", f"{type(exc).__name__}: {exc}"[:1000])
@@ -239,24 +260,22 @@ class Ranks:
                 work.wait()
                 return
             if self.nccl:
-                self._poll(work, what)
+                self._poll(work, what, *self._began_waiting())
                 work.wait()
                 return
+            seq, began = self._began_waiting()
             while True:
                 try:
                     work.wait(timeout=_POLL)
                     return
-                except RuntimeError as exc:
+                except RuntimeError as exc:  # a slice ended (or gloo's own timeout: ours is checked below)
                     if "timed out" not in str(exc).lower():
                         raise
-                failed = self.failure()
-                if failed is not None:
-                    raise RanksError(f"rank {self.rank} of {self.world}: {what}: rank {failed[0]} failed and "
-                                     f"left the collective: {failed[1]} (its own error says more)")
+                self._check_others(what, seq, began)
         except RuntimeError as exc:
             raise self._failed(what, exc) from exc
 
-    def _poll(self, work: Any, what: str) -> None:
+    def _poll(self, work: Any, what: str, seq: int, began: float) -> None:
         """Return once `work` completed, looking at the store every `_POLL`: NCCL's `wait()` only orders the
         compute stream after the collective, so a rank that left would be noticed at the next synchronisation,
         which would then never return."""
@@ -266,16 +285,64 @@ class Ranks:
             pause = min(2 * pause, 0.01)
             if time.monotonic() - looked >= _POLL.total_seconds():
                 looked = time.monotonic()
-                failed = self.failure()
-                if failed is not None:
-                    raise RanksError(f"rank {self.rank} of {self.world}: {what}: rank {failed[0]} failed and "
-                                     f"left the collective: {failed[1]} (its own error says more)")
+                self._check_others(what, seq, began)
+
+    # -- a rank that does not arrive (see [Note: a rank that does not arrive]) --------------------------------
+    @functools.cached_property
+    def timeout(self) -> float:
+        """The process group's timeout in seconds, as given to init_process_group (torch's default otherwise)."""
+        import torch.distributed as dist
+
+        group: Any = self.group if self.group is not None else dist.group.WORLD
+        for holder in (lambda: group._get_backend(torch.device("cpu")), lambda: group):  # gloo's; a group of its own
+            try:
+                return float(holder().options._timeout.total_seconds())
+            except (AttributeError, RuntimeError, ValueError, TypeError):
+                continue
+        return float(dist.distributed_c10d.default_pg_timeout.total_seconds())
+
+    def _began_waiting(self) -> tuple[int, float]:
+        """Number this wait (every rank numbers its waits alike) and note when it began."""
+        self.waits[0] += 1
+        return self.waits[0], time.monotonic()
+
+    def _check_others(self, what: str, seq: int, began: float) -> None:
+        """Between slices of a wait: raise a RanksError when another rank announced a failure, or when the wait
+        has lasted the process group's timeout, naming the ranks that never arrived at it."""
+        failed = self.failure()
+        if failed is not None:
+            raise _relayed(f"rank {self.rank} of {self.world}: {what}: rank {failed[0]} failed and left the "
+                           f"collective: {failed[1]} (its own error says more)")
+        if self._store is None:
+            return
+        try:
+            self._store.set(f"{self.scope}/at/{self.rank}", str(seq))  # this rank is here, for the others to see
+        except RuntimeError:
+            return
+        waited = time.monotonic() - began
+        if waited < self.timeout:
+            return
+        missing = [r for r in range(self.world) if r != self.rank and self._arrived(r) < seq]
+        who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not arrive"
+               if missing else "the other ranks did not finish it")
+        raise RanksError(f"rank {self.rank} of {self.world}: {what}: {who} within the process group's timeout "
+                         f"({self.timeout:g} s, waited {waited:.0f} s): a rank stuck in a deadlock, on a hung disk "
+                         "or device, or in a debugger. Find what that rank is doing (py-spy dump --pid ...); "
+                         "raise the timeout in init_process_group(timeout=...) if it is only slow")
+
+    def _arrived(self, r: int) -> int:
+        """The number of the last wait rank `r` was seen in (0: none)."""
+        try:
+            key = f"{self.scope}/at/{r}"
+            return int(self._store.get(key)) if self._store.check([key]) else 0
+        except (RuntimeError, ValueError):
+            return 0
 
     def _failed(self, what: str, exc: BaseException) -> RanksError:
         failed = self.failure()
         if failed is not None:
-            return RanksError(f"rank {self.rank} of {self.world}: {what}: rank {failed[0]} failed and left the "
-                              f"collective: {failed[1]} (its own error says more)")
+            return _relayed(f"rank {self.rank} of {self.world}: {what}: rank {failed[0]} failed and left the "
+                            f"collective: {failed[1]} (its own error says more)")
         return RanksError(f"rank {self.rank} of {self.world}: {what} with the other ranks failed ({exc}). "
                           "Another rank probably raised (see its error) or did not get here within the "
                           "process group's timeout")
