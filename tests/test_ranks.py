@@ -855,6 +855,65 @@ def test_a_rank_that_stops_answering_ends_the_others_wait_at_the_groups_timeout_
     assert float(one.split("\n")[1]) < float(zero.split("\n")[1]) + 8, (zero, one)
 
 
+def _killed_mid_step(rank: int, folder: Path) -> None:
+    """One of two ranks, started as its own process (not through run_ranks, which ends every rank once one dies):
+    rank 1 is SIGKILLed in the forward of block 1 after two steps; rank 0 notes how it left."""
+    import datetime
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from tiermem import RestoreError, tiered_offload
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    model = _gpt2().train()
+    opt = _optimizer("adamw", _groups(model))
+    t0 = time.monotonic()
+    try:
+        with tiered_offload(model, optimizer=opt, **_offload_cfg(folder, rank, **{"memory.host_budget": "4MiB"})) as tm:
+            _train(model, tm.optimizer, _batches(rank)[:2], tm.backward, tm.clip_grad_norm_)
+            if rank == 1:
+                model.transformer.h[1].register_forward_pre_hook(lambda m, a: os.kill(os.getpid(), signal.SIGKILL))
+            ids = _batches(rank)[0]
+            t0 = time.monotonic()
+            model(ids, labels=ids).loss.backward()
+    except RestoreError as exc:
+        (folder / f"outcome{rank}").write_text(f"{time.monotonic() - t0:.1f}\n{exc}\n---\n{exc.__context__}")
+
+
+def test_a_rank_killed_mid_step_is_named_and_no_share_that_cannot_be_joined_is_left(tmp_path) -> None:
+    """Rank 1 is SIGKILLed mid-step after two steps: rank 0 ends within seconds with the dead rank named (its
+    process gone), and since a rank's share of the weights and optimizer state lives only in its own tiers, it
+    writes no rescue folder of its own that could never be joined (tens of GB on a real model), saying to resume
+    from a checkpoint. Before: a RestoreError telling it to join every rank's rescue folder, though the dead rank
+    wrote none, and a new folder left behind at every crash."""
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = ("import sys, pathlib; from tests.test_ranks import _killed_mid_step as f; "
+            "f(int(sys.argv[1]), pathlib.Path(sys.argv[2]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(tmp_path)], cwd=root,
+                              env={**os.environ, "PYTHONPATH": root}, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == -9, outs[1]
+    assert procs[0].returncode == 0, outs[0]
+    took, text = (tmp_path / "outcome0").read_text().split("\n", 1)
+    assert float(took) < 15, text
+    assert "rank 1 died (its process" in text and "is gone: killed, or out of memory" in text, text
+    assert "wrote none of its own. Resume from a checkpoint of your own (none was written" in text, text
+    assert "tiermem rescue" not in text, text
+    assert not list(tmp_path.rglob("tiermem-rescue-*")), list(tmp_path.rglob("tiermem-rescue-*"))
+
+
 def _gpt2_with_buffer() -> torch.nn.Module:
     model = _gpt2()
     model.register_buffer("tally", torch.zeros(3))  # persistent: a checkpoint holds it

@@ -79,7 +79,9 @@ import functools
 import hashlib
 import itertools
 import logging
+import os
 import pickle
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,6 +108,23 @@ class Traffic:
 
     def reset(self) -> None:
         self.__dict__.update(Traffic().__dict__)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs: not gone, and not a zombie waiting for its parent (a killed
+    rank stays one until torchrun reaps it). A process still exiting gets a moment to finish."""
+    for _ in range(10):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return False
+        except OSError:
+            return True  # cannot tell: taken as alive
+        if state in (b"Z", b"X"):
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _relayed(message: str) -> RanksError:
@@ -147,7 +166,39 @@ class Ranks:
     def for_entry(self) -> Ranks:
         """These ranks with the store keys of a new tiered_offload entry (see [Note: a rank that fails]);
         every rank enters the same contexts in the same order, so they count alike."""
-        return dataclasses.replace(self, scope=f"tiermem/entry{next(_ENTRIES)}") if self.sharded else self
+        if not self.sharded:
+            return self
+        ranks = dataclasses.replace(self, scope=f"tiermem/entry{next(_ENTRIES)}")
+        ranks._say_alive()
+        return ranks
+
+    def _say_alive(self) -> None:
+        """Write this rank's host and process id to the store, so the others can tell that it died."""
+        if self._store is None:
+            return
+        try:
+            self._store.set(f"{self.scope}/pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        except RuntimeError as err:
+            log.debug("could not note rank %d's process in the store: %s", self.rank, err)
+
+    def dead(self) -> list[tuple[int, int]]:
+        """(rank, process id) of the other ranks on this host whose process is gone (killed, out of memory);
+        ranks on other hosts cannot be looked at from here."""
+        gone = []
+        host = socket.gethostname()
+        for r in range(self.world):
+            key = f"{self.scope}/pid/{r}"
+            try:
+                if r == self.rank or self._store is None or not self._store.check([key]):
+                    continue
+                where, pid = self._store.get(key).decode().rsplit(" ", 1)
+            except (RuntimeError, ValueError):
+                continue
+            if where != host:
+                continue
+            if not _alive(int(pid)):
+                gone.append((r, int(pid)))
+        return gone
 
     def on_device(self, mover: DeviceMover) -> Ranks:
         """These ranks, staging host tensors through `mover`'s device memory (see [Note: collectives on NCCL])."""
@@ -343,6 +394,13 @@ class Ranks:
         if failed is not None:
             return _relayed(f"rank {self.rank} of {self.world}: {what}: rank {failed[0]} failed and left the "
                             f"collective: {failed[1]} (its own error says more)")
+        dead = self.dead()
+        if dead:
+            err = RanksError(f"rank {self.rank} of {self.world}: {what}: " + ", ".join(
+                f"rank {r} died (its process {pid} is gone: killed, or out of memory)" for r, pid in dead)
+                + f" ({exc})")
+            err.dead_ranks = [r for r, _ in dead]  # type: ignore[attr-defined]
+            return err
         return RanksError(f"rank {self.rank} of {self.world}: {what} with the other ranks failed ({exc}). "
                           "Another rank probably raised (see its error) or did not get here within the "
                           "process group's timeout")

@@ -222,6 +222,7 @@ class OffloadHandle:
         self.weights_why = "nvme.path_weights"  # why several nvme.paths are striped as they are (auto's reason)
         self._tracer: Tracer | None = None  # recording a trace (trace.path or tm.trace())
         self.ranks = Ranks()  # the ranks it shards over (set at entry)
+        self.left_on: BaseException | None = None  # what the with-block raised
 
     def plan_summary(self) -> str:
         """`plan` in one line: what goes where and why (as logged at entry)."""
@@ -638,11 +639,12 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
             yield handle
         except BaseException as exc:
             raised = True
+            handle.left_on = exc
             unfetched = _read_unfetched(handle, exc)
+            if ranks.sharded:
+                ranks.announce(unfetched or exc)  # the others, waiting in a collective, end with this named
             if unfetched is not None:
                 raise unfetched from exc  # (the finally below gives the model back, as for any error)
-            if ranks.sharded:
-                ranks.announce(exc)  # the others, waiting in a collective, end with this named
             raise
     finally:
         try:
@@ -1252,6 +1254,17 @@ def _restore_buffers(moved: list[tuple[nn.Module, str, torch.device, torch.dtype
 
 
 # -- exit -------------------------------------------------------------------------------------------
+def _dead_ranks(exc: BaseException | None) -> list[int]:
+    """The ranks a RanksError in `exc`'s chain found dead (see Ranks.dead)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "dead_ranks", None):
+            return list(exc.dead_ranks)  # type: ignore[attr-defined]
+        exc = exc.__cause__ or exc.__context__
+    return []
+
+
 def _unpack(handle: OffloadHandle, restore: bool, raised: bool = False) -> None:
     for unit in handle.units:  # a forward cut short by an interrupt leaves its unit bound: see Unit.restore_places
         unit.restore_places()
@@ -1262,6 +1275,14 @@ def _unpack(handle: OffloadHandle, restore: bool, raised: bool = False) -> None:
         # this rank's chunks are written first, which needs no other rank ([Note: rescue at several ranks])
         opt, kept = handle.optimizer, ""
         trained = opt is not None and opt.progress() > 0 and (handle.saved is None or handle.saved[1] != opt.progress())
+        dead = _dead_ranks(handle.left_on)
+        if trained and dead:  # their shares went with them: this rank's alone could never be joined
+            last = (f"the last checkpoint, {handle.saved[0]}" if handle.saved is not None else "a checkpoint of "
+                    "your own (none was written in this with-block: call tm.save_checkpoint every so many steps)")
+            kept = (f"; rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died, and each rank's share "
+                    "of the parameters and optimizer state lives only in its own tiers: theirs went with them, so "
+                    f"the shares cannot be put together and this rank wrote none of its own. Resume from {last}")
+            trained = False
         try:
             if trained:  # else they are what entry read, or what the last checkpoint holds
                 folder = rescue.write(handle._contents(), handle.ranks, handle.config.nvme.paths[0])

@@ -136,9 +136,9 @@ def plan_units(model: nn.Module, classes: tuple[str, ...] = (), min_unit_bytes: 
         home = index_of.get(id(anchor))
         hooked = anchor if home is not None else mod
         for param in read:
-            i = by_param.get(id(param))
-            if i is not None and i != home and i not in needs.setdefault(hooked, []):
-                needs[hooked].append(i)
+            unit = by_param.get(id(param))
+            if unit is not None and unit != home and unit not in needs.setdefault(hooked, []):
+                needs[hooked].append(unit)
     return WrapPlan(ordered, needs, aliases)
 
 
