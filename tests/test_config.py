@@ -868,6 +868,33 @@ def test_cli_check_missing_file_is_not_doubled(tmp_path: pathlib.Path, capsys: p
     assert capsys.readouterr().err.strip() == f"{missing}: config file does not exist; check the path"
 
 
+@pytest.mark.parametrize(("text", "where", "what"), [
+    ("memory:\n  host_budget: 1GiB\0\n", "2:20", "a NUL byte"),
+    ("\0" * 64, "1:1", "a NUL byte"),
+    ("prefetch:\n  depth: 2\x07\n", "2:11", "the control character U+0007"),
+], ids=["nul-in-a-value", "nul-only", "bell"])
+def test_cli_check_a_control_character_is_one_line_naming_where(tmp_path: pathlib.Path, text: str, where: str,
+                                                                what: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A NUL byte or another control character in a swap-config is one line with file:line:column, exit 2."""
+    path = _write(tmp_path / "nul.yaml", text)
+    args = _cli(["config", "check", path])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{path}:{where}: not valid YAML: {what}, which YAML does not allow"), err
+    assert len(err.splitlines()) == 1
+    with pytest.raises(ConfigError, match=rf"^{re.escape(path)}:{where}: "):
+        load_config(path)
+
+
+def test_cli_set_value_with_a_control_character_names_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """A control character in a --set value is an argparse usage error naming the key, not a ReaderError."""
+    with pytest.raises(SystemExit) as info:
+        _cli(["config", "show", "--set", "prefetch.depth=2\x01"])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert "argument --set: prefetch.depth:1:2: not valid YAML: the control character U+0001" in last, last
+
+
 def test_cli_show_prints_loadable_effective_config(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`tiermem config show FILE` prints the full config, which loads back equal."""
     path = str(REPO / "configs" / "nvme.yaml")

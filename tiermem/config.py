@@ -838,7 +838,10 @@ def parse_yaml(text: str, source: str) -> Any:
     `source` names the text in messages: a file path, or the key a ``--set`` value is for. Every failure is
     a ConfigError that starts with it (and the line and column when there are some).
     """
-    loader = _StrictLoader(text, source)
+    try:
+        loader = _StrictLoader(text, source)  # PyYAML's Reader refuses control characters here, before parsing
+    except yaml.reader.ReaderError as exc:
+        raise ConfigError(_unprintable(text, source, exc)) from None
     try:
         return loader.get_single_data()
     except yaml.MarkedYAMLError as exc:
@@ -849,6 +852,19 @@ def parse_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: not valid YAML: {_clip(str(exc))}") from None
     finally:
         loader.dispose()
+
+
+def _unprintable(text: str, source: str, exc: yaml.reader.ReaderError) -> str:
+    """The message for a character YAML does not allow (a NUL byte, another control character), at its line and
+    column."""
+    position = exc.position if isinstance(exc.position, int) else 0
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    char = exc.character if isinstance(exc.character, int) else ord(text[position]) if position < len(text) else 0
+    control = char < 0x20 or 0x7F <= char <= 0x9F
+    what = "a NUL byte" if char == 0 else f"the {'control ' if control else ''}character U+{char:04X}"
+    return (f"{source}:{line}:{column}: not valid YAML: {what}, which YAML does not allow in text; remove it (a "
+            "swap-config is plain text: check that this is the file meant)")
 
 
 def _clip(text: str, limit: int = 200) -> str:
