@@ -1004,6 +1004,33 @@ def test_a_rank_that_raises_leaves_each_ranks_share_and_they_join_into_a_checkpo
         join([dirs[0], str(tmp_path / "doctored")], tmp_path / "partial")
     with pytest.raises(CheckpointError, match="no rescue.json; not a tiermem rescue directory"):
         join([dirs[0], str(tmp_path)], tmp_path / "partial")
+    _old_rescues_are_reported_and_removed(tmp_path, dirs)
+
+
+def _old_rescues_are_reported_and_removed(tmp_path: Path, dirs: list[str]) -> None:
+    """A later run on the same swap path says at entry which rescue folders are there, their size and how to
+    join or delete them (before: nothing, and a new one was added at every crash); `tiermem rescue --remove`
+    deletes rescue folders only."""
+    import logging
+
+    from tiermem import tiered_offload
+    from tiermem.cli import main
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("tiermem.offload").addHandler(handler)
+    try:
+        with tiered_offload(_gpt2(), device="cpu", **{"nvme.paths": [str(tmp_path / "swap0")]}):
+            pass
+    finally:
+        logging.getLogger("tiermem.offload").removeHandler(handler)
+    said = [r.getMessage() for r in records if "rescue folder" in r.getMessage()]
+    assert len(said) == 1 and dirs[0] in said[0] and "tiermem rescue --remove DIR" in said[0], said
+    assert main(["rescue", "--remove", str(tmp_path)]) == 2 and Path(dirs[0]).is_dir()  # not a rescue folder
+    assert main(["rescue", "--remove", str(tmp_path / "doctored")]) == 2  # its name is not a rescue's
+    assert main(["rescue", "--remove", dirs[0], dirs[1]]) == 0
+    assert not Path(dirs[0]).exists() and not Path(dirs[1]).exists()
 
 
 

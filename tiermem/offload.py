@@ -240,6 +240,13 @@ class OffloadHandle:
         With ``adapters_only=True`` (a PEFT model), write only its active adapter in PEFT's own format
         (adapter_model.safetensors and adapter_config.json), for ``PeftModel.from_pretrained(base, path)``."""
         self._check_open("save_checkpoint")
+        if torch._C._current_graph_task_id() != -1:  # a hook, or a signal handler that ran in one, in backward
+            raise CheckpointError(
+                "tm.save_checkpoint() cannot run inside a backward pass (here from a hook or from a signal handler "
+                "that ran during it): the backward holds units and gradient accumulators that a save reads and "
+                "writes. Nothing was saved. Set a flag there instead and save after the step, e.g. a SIGTERM "
+                "handler sets `stop = True`, and the loop, after optimizer.step(), calls tm.save_checkpoint(path) "
+                "when `stop` is set")
         self._check_whole("tm.save_checkpoint()")
         if self.optimizer is not None:
             self.optimizer.flush()  # what step() recorded is part of the weights and state saved
@@ -252,6 +259,11 @@ class OffloadHandle:
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Load what `save_checkpoint` wrote (weights, buffers, optimizer state and steps)."""
         self._check_open("load_checkpoint")
+        if torch._C._current_graph_task_id() != -1:  # as in save_checkpoint
+            raise CheckpointError("tm.load_checkpoint() cannot run inside a backward pass (here from a hook or from "
+                                  "a signal handler that ran during it): the backward holds units and gradient "
+                                  "accumulators the load would replace. Nothing was loaded. Load before the "
+                                  "forward, or after the step")
         if self.optimizer is not None:
             self.optimizer.drop_pending()  # the loaded weights and state replace what a step recorded
         self.runtime.checkpoint_bytes_read += load_checkpoint(self._contents(), path)
@@ -567,6 +579,7 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     ranks = Ranks.of(process_group).for_entry()
     raised = False  # the with-block raised: with several ranks, exit cannot count on the others to gather
     config = _rank_paths(load_config(config, **overrides), ranks)
+    _report_old_rescues(config, ranks)
     ranks = ranks.on_device(make_mover(resolve_device(config.device)))  # see [Note: collectives on NCCL]
     # before the swapper: with nvme, the activations' buffer is carved out of the host pool it makes
     config, activations_why = _choose_activations_tier(config, model, optimizer, ranks)
@@ -1254,6 +1267,19 @@ def _restore_buffers(moved: list[tuple[nn.Module, str, torch.device, torch.dtype
 
 
 # -- exit -------------------------------------------------------------------------------------------
+def _report_old_rescues(config: Config, ranks: Ranks) -> None:
+    """Say, once at entry, which rescue folders earlier runs left on the swap paths, their size and what to do
+    with them: each is a rank's share of every weight and optimizer state, tens of GB on a large model."""
+    found = rescue.found_in(config.nvme.paths)
+    if not found:
+        return
+    shown = ", ".join(folder for folder, _ in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    log.warning("rank %d: %d rescue folder(s) that earlier runs left when they raised hold %s on the swap paths: %s. "
+                "Join a complete set (one per rank) into a checkpoint with `tiermem rescue DIR... --out CKPT`, or "
+                "delete them with `tiermem rescue --remove DIR...`", ranks.rank, len(found),
+                format_size(sum(size for _, size in found)), shown)
+
+
 def _dead_ranks(exc: BaseException | None) -> list[int]:
     """The ranks a RanksError in `exc`'s chain found dead (see Ranks.dead)."""
     seen: set[int] = set()

@@ -54,10 +54,59 @@ CONFIG = "config.json"
 VERSION = 2  # 1: weights only
 
 
+PREFIX = "tiermem-rescue-rank"  # every rescue folder's name begins so
+_OURS = (MANIFEST, BUFFERS, CONFIG)  # with unit-*.safetensors, the files a rescue folder holds
+
+
+def found_in(paths: Sequence[str]) -> list[tuple[str, int]]:
+    """(folder, bytes) of every rescue folder directly under `paths` (earlier runs' shares, kept until joined
+    or removed)."""
+    found = []
+    for base in paths:
+        try:
+            entries = sorted(os.scandir(base), key=lambda e: e.name)
+        except OSError:
+            continue
+        for e in entries:
+            if e.name.startswith(PREFIX) and e.is_dir(follow_symlinks=False):
+                found.append((e.path, _bytes_in(e.path)))
+    return found
+
+
+def _bytes_in(folder: str) -> int:
+    total = 0
+    try:
+        for e in os.scandir(folder):
+            if e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
+
+
+def remove(folder: str | os.PathLike[str]) -> int:
+    """Delete a rescue folder (only one whose name and files are a rescue's); return the bytes it held."""
+    path = os.fspath(folder)
+    name = os.path.basename(os.path.normpath(path))
+    if os.path.islink(path) or not os.path.isdir(path) or not name.startswith(PREFIX):
+        raise CheckpointError(f"{path}: not a rescue folder (a directory named {PREFIX}R-of-N-...); nothing removed")
+    others = [e.name for e in os.scandir(path) if not (e.is_file(follow_symlinks=False) and (
+        e.name in _OURS or (e.name.startswith("unit-") and e.name.endswith(".safetensors"))
+        or e.name.startswith(".")))]
+    if others:
+        raise CheckpointError(f"{path}: holds {', '.join(sorted(others)[:5])}, which a rescue folder does not; "
+                              "nothing removed (remove it yourself if you are sure)")
+    size = _bytes_in(path)
+    for e in list(os.scandir(path)):
+        os.unlink(e.path)
+    os.rmdir(path)
+    return size
+
+
 def write(src: CheckpointContents, ranks: Ranks, base: str) -> str:
     """Write this rank's chunks of every unit's weights and optimizer state, and the model's buffers, to a new
     directory under `base`; return it. A unit that cannot be read is named in the manifest, not fatal."""
-    folder = os.path.join(base, f"tiermem-rescue-rank{ranks.rank}-of-{ranks.world}-{time.strftime('%Y%m%d-%H%M%S')}")
+    folder = os.path.join(base, f"{PREFIX}{ranks.rank}-of-{ranks.world}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(folder, mode=0o700)  # a new directory: fails rather than write into something already there
     opt = src.optimizer
     states: dict[int, list[Any]] = {}
