@@ -281,3 +281,57 @@ def test_a_read_the_source_does_not_show_is_named_with_the_fix(tmp_path) -> None
             model(torch.randn(2, 4))
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), values[name]), name
+
+
+class TiedWithBuffers(nn.Module):
+    """Tied input and output embeddings, a non-persistent buffer (never saved) and a persistent one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 50, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.arange(1, 9, dtype=torch.float32), persistent=False)
+        self.register_buffer("shift", torch.full((8,), 0.5))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids) * self.scale + self.shift))
+
+
+@on_each_device
+@pytest.mark.parametrize("buffers", ["real", "meta"])
+def test_tied_weights_and_buffers_from_a_checkpoint_equal_the_model_in_memory(tmp_path, buffers: str) -> None:
+    """accelerate's big-modeling cases: a model built under init_empty_weights() and given checkpoint=: the tie
+    is kept, the persistent buffers come from the checkpoint (before, a real persistent buffer kept its fresh
+    value), the non-persistent one from the module; train and eval outputs equal the model in memory. With
+    include_buffers=True the non-persistent buffer is on the meta device with nothing to initialise it from:
+    an OffloadError naming it and include_buffers=False, the model left as it was."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    src = TiedWithBuffers()
+    with torch.no_grad():
+        src.shift.fill_(-0.25)
+        src.train()(torch.randint(0, 50, (16,)))  # running statistics away from their initial values
+    state = {k: v for k, v in src.state_dict().items() if k != "head.weight"}  # a tie is saved once
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ids = torch.randint(0, 50, (6,), generator=torch.Generator().manual_seed(1))
+    with init_empty_weights(include_buffers=buffers == "meta"):
+        model = TiedWithBuffers()
+    model.head.weight = model.embed.weight  # init_empty_weights re-registers each assignment: tie after it
+    if buffers == "meta":
+        with pytest.raises(OffloadError, match=r"buffer 'scale' is on the meta device .*include_buffers=False"):
+            with tiered_offload(model, checkpoint=str(tmp_path / "model.safetensors"), **cfg(tmp_path)):
+                pass
+        assert model.embed.weight.is_meta and model.scale.is_meta
+        return
+    with tiered_offload(model, checkpoint=str(tmp_path / "model.safetensors"), **cfg(tmp_path)):
+        with torch.no_grad():
+            assert torch.equal(model.eval()(ids), src.eval()(ids))
+            assert torch.equal(model.train()(ids), src.train()(ids))
+    assert model.head.weight is model.embed.weight
+    for name, value in src.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert torch.equal(model.scale, src.scale)
