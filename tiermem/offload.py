@@ -114,6 +114,8 @@ def _guarded_apply(handle: OffloadHandle, mod: nn.Module, fn: Callable[[torch.Te
 # came in, so from_pretrained returns a float32 model and a resume loses nothing). model.load_state_dict()
 # inside the context writes both. To save the compute dtype instead, convert after exit:
 # model.to(torch.bfloat16).save_pretrained(dir). Frozen parameters have no masters: they are their rounding.
+# The masters start from the stored parameters, already rounded, as when training a model saved in that dtype
+# (docs/config.md, params.dtype): a context left without a step gives back the rounding.
 # With several ranks each rank keeps chunks of the masters: state_dict() and exit give the rounding there,
 # and model.load_state_dict() is refused (tm.save_checkpoint / tm.load_checkpoint carry the masters).
 
