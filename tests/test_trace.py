@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -381,6 +382,71 @@ def test_tiermem_report_reads_a_real_trace_and_refuses_what_is_not_one(tmp_path,
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1200, 650)
     assert main(["report", str(tmp_path / "t.json"), "--plot", str(tmp_path / "none" / "t.png")]) == 2
     assert f"--plot {tmp_path / 'none' / 't.png'}: cannot write it" in capsys.readouterr().err
+
+
+def _broken(event: object) -> str:
+    """A synthetic trace's JSON with its compute span replaced by `event` (NaN written as JSON's NaN)."""
+    trace = _synthetic()
+    trace["traceEvents"][0] = event
+    return json.dumps(trace)
+
+
+_SPAN = {"name": "forward a", "ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 100, "args": {"unit": 0}}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("text", "named"), [
+    ('{"traceEvents": [1, 2, 3]}', "traceEvents[0]: expected an event object, got 1"),
+    (_broken({k: v for k, v in _SPAN.items() if k != "tid"}), "traceEvents[0].tid: expected the thread id"),
+    (_broken({k: v for k, v in _SPAN.items() if k != "dur"}), "traceEvents[0].dur: expected microseconds, a "
+                                                              "finite number from 0 to 1e+15; it is missing"),
+    (_broken({k: v for k, v in _SPAN.items() if k != "name"}), "traceEvents[0].name: expected the span's name"),
+    (_broken({**_SPAN, "ts": "0"}), "traceEvents[0].ts: expected microseconds, a finite number from -1e+15 to "
+                                    "1e+15; got '0'"),
+    (_broken({**_SPAN, "dur": float("nan")}), "traceEvents[0].dur: expected microseconds, a finite number from 0 "
+                                              "to 1e+15; got nan"),
+    (_broken({**_SPAN, "dur": 1e308}), "traceEvents[0].dur: expected microseconds"),
+    (_broken({**_SPAN, "args": {"bytes": "3MB"}}), "traceEvents[0].args.bytes: expected a byte count"),
+    (_broken({**_SPAN, "args": {"partition": ["b"]}}), "traceEvents[0].args.partition: expected a name"),
+    (_broken({"name": "thread_name", "ph": "M", "pid": 1, "tid": 1}), "traceEvents[0].args: expected "
+                                                                      '{"name": TRACK}, naming the track'),
+    (json.dumps({**_synthetic(), "otherData": {"config": {"nvme": {"paths": 5}}}}),
+     "otherData.config.nvme.paths: expected a list of directories, got 5"),
+    ('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested deeper than Python's reader follows"),
+    ("[" * 100_000 + "]" * 100_000, "not a trace: it begins with b'[', not a JSON object"),
+    ("/dev/zero", "not a trace: it begins with b'\\x00', not a JSON object"),
+    ("", "not a trace: it is empty"),
+], ids=["numbers", "no-tid", "no-dur", "no-name", "string-ts", "nan-dur", "huge-dur", "string-bytes",
+        "list-partition", "track-without-args", "paths-a-number", "nested-100000", "nested-array", "dev-zero",
+        "empty"])
+def test_tiermem_report_on_a_malformed_trace_is_one_line_naming_what_is_wrong(tmp_path, capsys, text: str,
+                                                                               named: str) -> None:
+    """`tiermem report` on events that are numbers, that lack tid, dur or name, hold strings or NaN where
+    numbers belong, on JSON nested 100,000 deep or on /dev/zero (read without bound before) exits 2 with one
+    line naming the file and the event's field, never a traceback or a hang."""
+    from tiermem.cli import main
+
+    path = text if text.startswith("/dev/") else str(tmp_path / "bad.json")
+    if path != text:
+        Path(path).write_text(text)
+    assert main(["report", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tiermem: error: {path}: cannot read it as a tiermem trace: "), err[:300]
+    assert named in err and len(err.splitlines()) == 1, err[:300]
+
+
+def test_a_trace_larger_than_the_bound_is_refused_before_it_is_read(tmp_path, capsys) -> None:
+    """A trace file larger than MAX_TRACE_BYTES (a sparse file here) is refused from its size, naming the
+    bound, exit 2."""
+    from tiermem.cli import main
+    from tiermem.trace import MAX_TRACE_BYTES
+
+    path = tmp_path / "big.json"
+    path.write_text('{"traceEvents": [')
+    os.truncate(path, MAX_TRACE_BYTES + 1)
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{MAX_TRACE_BYTES + 1} bytes, more than the 1 GiB a report reads" in err and len(err.splitlines()) == 1
 
 
 def test_the_plot_draws_every_span_and_the_waits_per_unit(tmp_path, monkeypatch) -> None:

@@ -27,11 +27,14 @@ dictionary appends per unit and per transfer; nothing is recorded without a trac
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
 from collections.abc import Iterable
 from typing import Any
+
+from tiermem.sizes import MAX_SIZE, short_repr
 
 _FIXED_TRACKS = ("compute", "wait", "optimizer", "copy", "pass")  # the I/O tracks follow, one per directory and op
 _OPS = ("read", "write")
@@ -124,6 +127,93 @@ class Tracer:
 
 
 # -- reading a trace back: `tiermem report` ------------------------------------------------------------------
+# [Note: reading a trace]
+# A trace handed to `tiermem report` may be anything: another tool's JSON, a hand-edited or truncated file,
+# /dev/zero. `load_trace` reads at most MAX_TRACE_BYTES (a regular file's size is checked first; the first
+# bytes must open a JSON object, so a stream of zeros is refused at once) and turns JSON nested past what
+# Python's reader follows into a ValueError. `_check_event` then holds every event the report reads (the
+# spans, "ph": "X", and the track names, "thread_name") to what `Tracer` writes: numbers finite and within
+# MAX_TRACE_MICROSECONDS (so that sums stay finite), names strings, args an object. Any other event is
+# skipped, as before. Each failure is a ValueError naming the event (`traceEvents[7].dur`) and what was
+# expected, which the CLI prints as one line.
+MAX_TRACE_BYTES = 1 << 30
+MAX_TRACE_MICROSECONDS = 1e15  # about 31 years: far past any run, and sums of a billion spans stay finite
+_HEAD_BYTES = 1 << 16
+
+
+def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON of the trace file `path`, read as [Note: reading a trace] says. Raises OSError when the file
+    cannot be read, ValueError when it is not a JSON object within the bounds; `summarize` checks the rest."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_TRACE_BYTES:
+            raise ValueError(f"{size} bytes, more than the {MAX_TRACE_BYTES >> 30} GiB a report reads; trace a "
+                             "shorter stretch with tm.trace(path)")
+        data = f.read(_HEAD_BYTES)
+        head = data.lstrip()
+        if (head or len(data) < _HEAD_BYTES) and not head.startswith(b"{"):
+            first = f"begins with {head[:1]!r}" if head else "is empty"
+            raise ValueError(f"not a trace: it {first}, not a JSON object ('{{'); pass a file that trace.path or "
+                             "tm.trace(path) wrote")
+        data += f.read(MAX_TRACE_BYTES + 1 - len(data))  # no more, whatever the path turns out to be
+    if len(data) > MAX_TRACE_BYTES:
+        raise ValueError(f"more than the {MAX_TRACE_BYTES >> 30} GiB a report reads; trace a shorter stretch "
+                         "with tm.trace(path)")
+    try:
+        trace = json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested deeper than Python's reader follows; a tiermem trace is a few levels "
+                         "deep") from None
+    if not isinstance(trace, dict):
+        raise ValueError(f"not a trace: a JSON {type(trace).__name__}, not an object with traceEvents")
+    return trace
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_event(i: int, e: object) -> None:
+    """Refuse an event the report would read that `Tracer` could not have written (see [Note: reading a
+    trace]), naming it."""
+    where = f"traceEvents[{i}]"
+    if not isinstance(e, dict):
+        raise ValueError(f"{where}: expected an event object, got {short_repr(e)}")
+
+    def refuse(key: str, expected: str) -> ValueError:
+        got = f"got {short_repr(e[key])}" if key in e else "it is missing"
+        return ValueError(f"{where}.{key}: expected {expected}; {got}")
+
+    ph = e.get("ph")
+    if ph == "M" and e.get("name") == "thread_name":
+        if not isinstance(e.get("tid"), (int, str)):
+            raise refuse("tid", "the track's thread id, an integer")
+        if not isinstance(e.get("args"), dict) or not isinstance(e["args"].get("name"), str):
+            raise refuse("args", '{"name": TRACK}, naming the track')
+        return
+    if ph != "X":
+        return  # counters and other tools' events: not read
+    if not isinstance(e.get("tid"), (int, str)):
+        raise refuse("tid", "the thread id of the span's track, an integer")
+    if not isinstance(e.get("name"), str):
+        raise refuse("name", "the span's name, a string")
+    for key, low in (("ts", -MAX_TRACE_MICROSECONDS), ("dur", 0.0)):
+        value = e.get(key)
+        if not _number(value) or not low <= value <= MAX_TRACE_MICROSECONDS:
+            raise refuse(key, f"microseconds, a finite number from {low:g} to {MAX_TRACE_MICROSECONDS:g}")
+    args = e.get("args", {})
+    if not isinstance(args, dict):
+        raise refuse("args", "an object")
+    nbytes = args.get("bytes", 0)
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= MAX_SIZE:
+        raise ValueError(f"{where}.args.bytes: expected a byte count, an integer from 0 to {MAX_SIZE}; got "
+                         f"{short_repr(nbytes)}")
+    for key in ("unit", "partition"):
+        value = args.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, str, type(None))):
+            raise ValueError(f"{where}.args.{key}: expected a name or an index; got {short_repr(value)}")
+
+
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for a, b in sorted(spans):
@@ -157,6 +247,8 @@ def _spans_by_track(trace: Any) -> tuple[dict[str, list[dict[str, Any]]], float,
     events = trace.get("traceEvents") if isinstance(trace, dict) else None
     if not isinstance(events, list):
         raise ValueError("not a trace: no traceEvents list (write one with trace.path or tm.trace(path))")
+    for i, e in enumerate(events):
+        _check_event(i, e)
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     by_track: dict[str, list[dict[str, Any]]] = {t: [] for t in _FIXED_TRACKS}
     for track in tracks.values():
@@ -281,14 +373,14 @@ def _bandwidth(by_track: dict[str, list[dict[str, Any]]], other: dict[str, Any],
     from tiermem.io.bandwidth import cached_bandwidth
 
     named = other.get("io_tracks", {}) if isinstance(other.get("io_tracks"), dict) else {}
-    configured = [str(p) for p in config.get("nvme", {}).get("paths", [])] if isinstance(
-        config.get("nvme"), dict) else []
+    nvme = config.get("nvme") if isinstance(config.get("nvme"), dict) else {}
+    configured = _paths(nvme.get("paths", []), "otherData.config.nvme.paths")
     out: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     per_op: dict[str, dict[str, Any]] = {}
 
     def figures(op: str, tracks: list[str], paths: list[str]) -> dict[str, Any]:
-        nbytes = sum(e["args"].get("bytes", 0) for t in tracks for e in by_track[t])
+        nbytes = sum(e.get("args", {}).get("bytes", 0) for t in tracks for e in by_track[t])
         seconds = _length(_union([(e["ts"], e["ts"] + e["dur"]) for t in tracks for e in by_track[t]])) / 1e6
         gbps = nbytes / seconds / 1e9 if seconds > 0 else None
         cached = cached_bandwidth(paths, bench_cache) if paths else None
@@ -305,6 +397,8 @@ def _bandwidth(by_track: dict[str, list[dict[str, Any]]], other: dict[str, Any],
         paths: list[str] = []
         for track in tracks:
             path = named.get(track, {}).get("path") if isinstance(named.get(track), dict) else None
+            if path is not None:
+                path = _paths([path], f"otherData.io_tracks[{track!r}].path")[0]
             if path is None and track.startswith(f"{op} "):
                 path = track[len(op) + 1:]
             track_paths = [path] if path else configured  # "nvme read" of older traces: every configured path
@@ -316,6 +410,13 @@ def _bandwidth(by_track: dict[str, list[dict[str, Any]]], other: dict[str, Any],
         out[f"{op}_gbps"] = per_op[op]["gbps"]
     out["bandwidth"] = {**per_op, "by_path": rows}
     return out
+
+
+def _paths(value: object, where: str) -> list[str]:
+    """The directories a trace's otherData names, refused (naming `where`) unless a list of paths."""
+    if not isinstance(value, list) or not all(isinstance(p, str) and p and "\0" not in p for p in value):
+        raise ValueError(f"{where}: expected a list of directories, got {short_repr(value)}")
+    return value
 
 
 # -- passes ------------------------------------------------------------------------------------------------------
@@ -339,7 +440,7 @@ def _passes(by_track: dict[str, list[dict[str, Any]]], bandwidth: dict[str, Any]
     spans = sorted(by_track["pass"], key=lambda e: e["ts"])
     if not spans:
         return None
-    io = {op: sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("bytes", 0)) for t in _io_tracks(by_track, op)
+    io = {op: sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("bytes", 0)) for t in _io_tracks(by_track, op)
                      for e in by_track[t]) for op in _OPS}
     starts = {op: [a for a, _, _ in io[op]] for op in _OPS}  # for each pass, its transfers by bisection
     busy_all = _union([(a, b) for op in _OPS for a, b, _ in io[op]])

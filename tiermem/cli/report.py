@@ -19,14 +19,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiermem.trace import plot, summarize
+    from tiermem.trace import load_trace, plot, summarize
 
     try:
-        with open(args.trace, encoding="utf-8") as f:
-            trace = json.load(f)
+        trace = load_trace(args.trace)
         s = summarize(trace)
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        raise ConfigError(f"{args.trace}: cannot read it as a tiermem trace: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"{args.trace}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{args.trace}: cannot read it as a tiermem trace: {' '.join(str(exc).split())}") from None
     if args.plot:
         try:
             plot(trace, args.plot)
