@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 from tiermem.sizes import MAX_SIZE, short_repr
 
@@ -169,7 +169,7 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     return trace
 
 
-def _number(value: object) -> bool:
+def _number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -373,7 +373,7 @@ def _bandwidth(by_track: dict[str, list[dict[str, Any]]], other: dict[str, Any],
     from tiermem.io.bandwidth import cached_bandwidth
 
     named = other.get("io_tracks", {}) if isinstance(other.get("io_tracks"), dict) else {}
-    nvme = config.get("nvme") if isinstance(config.get("nvme"), dict) else {}
+    nvme = config["nvme"] if isinstance(config.get("nvme"), dict) else {}
     configured = _paths(nvme.get("paths", []), "otherData.config.nvme.paths")
     out: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
