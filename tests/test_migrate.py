@@ -405,3 +405,55 @@ def test_the_command_refuses_a_key_given_twice(tmp_path, capsys) -> None:
     """A key given twice in one JSON object is refused, as DeepSpeed refuses it (before: the last one won)."""
     status, stdout, stderr = _cli(tmp_path, capsys, '{"zero_optimization": {"stage": 3, "stage": 2}}')
     assert status == 2 and stdout == "" and "stage: given twice" in stderr and "DeepSpeed" in stderr
+
+
+_BIG = "1" + "0" * 400  # an integer json reads whole, past float's range
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text, named", [
+    ('{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": ' + _BIG + '}}',
+     "zero_optimization.stage3_prefetch_bucket_size: expected a number within float range (about 1.8e308), got "
+     "<an integer of about 401 digits>"),
+    ('{"aio": {"block_size": ' + _BIG + '}}', "aio.block_size: expected a number within float range"),
+    ('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ' + _BIG + '}}}',
+     "zero_optimization.offload_optimizer.ratio: expected a number from 0 to 1 (DeepSpeed's rule), got <an "
+     "integer of about 401 digits>"),
+    ('{"zero_optimization": ' + _DEEP + '}', "JSON nested deeper than Python's reader follows"),
+    ('{"zero_optimization": ' + '{"a": ' * 100_000 + "1" + "}" * 100_001,
+     "JSON nested deeper than Python's reader follows"),
+    (json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ["/a", "/b"]}}}),
+     "zero_optimization.offload_param.nvme_path: expected one directory (a string), got ['/a', '/b']"),
+    (json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": 5}}}),
+     "zero_optimization.offload_optimizer.nvme_path: expected one directory (a string), got 5"),
+    (json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/proc"}}}),
+     "zero_optimization.offload_param.nvme_path: '/proc' is on the kernel's proc filesystem, which cannot hold "
+     "swap files"),
+    (json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+                                                                     "nvme_path": "/proc/tiermem/swap"}}}),
+     "zero_optimization.offload_param.nvme_path: '/proc/tiermem/swap' is on the kernel's proc filesystem"),
+    (json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": ["nvme"]}}}),
+     "zero_optimization.offload_param.device: expected 'none', 'cpu' or 'nvme'"),
+    (json.dumps({"aio": [1]}), "aio: expected an object"),
+    (json.dumps({"fp16": {"enabled": [1]}}), "fp16.enabled: expected true, false or \"auto\", got [1]"),
+], ids=["int-past-float", "aio-int-past-float", "ratio-int-past-float", "nested-arrays", "nested-objects",
+        "nvme-path-list", "nvme-path-number", "nvme-path-proc", "nvme-path-under-proc", "device-list", "aio-list",
+        "enabled-list"])
+def test_every_bad_input_is_one_line_naming_the_key_and_exit_2(tmp_path, capsys, text: str, named: str) -> None:
+    """Numbers past float range, nesting 100,000 deep, an nvme_path that is a list (before: the path
+    "['/a', '/b']") or on /proc (before: accepted as root), a device, aio section or fp16.enabled that is a list:
+    one line on stderr naming the file and the key, nothing on stdout, exit 2 (before: OverflowError
+    tracebacks, or a config printed that could not run)."""
+    status, stdout, stderr = _cli(tmp_path, capsys, text)
+    assert status == 2 and stdout == ""
+    assert stderr.startswith(f"{tmp_path / 'ds_config.json'}: ") and named in stderr, stderr[:400]
+    assert len(stderr.splitlines()) == 1 and len(stderr) < 400
+
+
+def test_a_huge_value_in_a_warning_is_quoted_short(tmp_path, capsys) -> None:
+    """A gradient_clipping past float's range is quoted in a short warning line (before: all 401 digits)."""
+    status, _, stderr = _cli(tmp_path, capsys, '{"gradient_clipping": ' + _BIG + '}')
+    assert status == 0
+    assert stderr.strip() == ("tiermem: warning: gradient_clipping: in your training loop: call "
+                              "tm.clip_grad_norm_(<an integer of about 401 digits>) before tm.optimizer.step()")

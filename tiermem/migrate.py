@@ -20,11 +20,14 @@ says what tiermem does instead.
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from tiermem.config import load_config
 from tiermem.errors import ConfigError
+from tiermem.sizes import short_repr
 
 # ZeRO keys with no tiermem setting, and what happens instead.
 _NO_EQUIVALENT = {
@@ -136,8 +139,8 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         device = _device(off, where) if off is not None else "none"
         if device == "nvme":
             out[tier_key] = "nvme"
-            if off is not None and off.get("nvme_path"):
-                paths.append((str(off["nvme_path"]), f"{where}.nvme_path"))
+            if off is not None and off.get("nvme_path") is not None:
+                paths.append((_nvme_path(off["nvme_path"], f"{where}.nvme_path"), f"{where}.nvme_path"))
             else:
                 warnings.append(f"{where}.device: nvme without {where}.nvme_path, which DeepSpeed needs to offload "
                                 "there: nvme.paths keeps tiermem's default; set it to a directory on the drive")
@@ -173,24 +176,25 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
              "stage3_max_live_parameters", *_NO_EQUIVALENT}
     warnings += [f"zero_optimization.{k}: not known to this converter; ignored" for k in zero if k not in known]
     aio = ds.get("aio") or {}
-    if isinstance(aio, Mapping):
-        for key, target in (("block_size", "io.block_size"), ("queue_depth", "io.queue_depth")):
-            value = _number(aio, key, "aio", warnings)
-            if value is not None:
-                if value != int(value):
-                    raise ConfigError(f"aio.{key}: expected a whole number, got {aio[key]!r}")
-                out[target] = int(value)
-                source[target] = f"aio.{key}"
-        warnings += [f"aio.{k}: no equivalent: {why}" for k, why in _AIO_IGNORED.items() if k in aio]
-        warnings += [f"aio.{k}: not known to this converter; ignored" for k in aio
-                     if k not in {"block_size", "queue_depth", *_AIO_IGNORED}]
+    if not isinstance(aio, Mapping):
+        raise ConfigError(f"aio: expected an object such as {{\"block_size\": 1048576}}, got {short_repr(aio)}")
+    for key, target in (("block_size", "io.block_size"), ("queue_depth", "io.queue_depth")):
+        value = _number(aio, key, "aio", warnings)
+        if value is not None:
+            if value != int(value):
+                raise ConfigError(f"aio.{key}: expected a whole number, got {short_repr(aio[key])}")
+            out[target] = int(value)
+            source[target] = f"aio.{key}"
+    warnings += [f"aio.{k}: no equivalent: {why}" for k, why in _AIO_IGNORED.items() if k in aio]
+    warnings += [f"aio.{k}: not known to this converter; ignored" for k in aio
+                 if k not in {"block_size", "queue_depth", *_AIO_IGNORED}]
     for key, why in _LOOP.items():
         if key in ds:
             if _is_auto(ds[key]):
                 why = why.replace("({v})", "(max_norm)")  # the Trainer's max_grad_norm
                 warnings.append(f"{key}: \"auto\" (set by HF Trainer at run time): in your training loop: {why}")
             else:
-                warnings.append(f"{key}: in your training loop: " + why.format(v=ds[key]))
+                warnings.append(f"{key}: in your training loop: " + why.format(v=short_repr(ds[key])))
     known_top = {"zero_optimization", "aio", "fp16", "bf16", "bfloat16", *_LOOP}
     warnings += [f"{k}: not known to this converter; ignored" for k in ds if k not in known_top]
     _check(out, source)
@@ -204,7 +208,7 @@ def _stage(zero: Mapping[str, Any]) -> object:
         return stage
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage: expected 0, 1, 2 or 3 (DeepSpeed's ZeRO stages; it refuses "
-                          f"any other), got {stage!r}")
+                          f"any other), got {short_repr(stage)}")
     return int(stage)
 
 
@@ -234,12 +238,12 @@ def _offload_section(zero: Mapping[str, Any], key: str, warnings: list[str]) -> 
                                 f"cpu; mapped as that")
                 return {"device": "cpu"}, ""
             return None, f"zero_optimization.{legacy}: false (no offload)"
-        raise ConfigError(f"zero_optimization.{legacy}: expected true or false, got {flag!r}")
+        raise ConfigError(f"zero_optimization.{legacy}: expected true or false, got {short_repr(flag)}")
     off = zero.get(key)
     if off is None:
         return None, ""
     if not isinstance(off, Mapping):
-        raise ConfigError(f"{where}: expected an object such as {{\"device\": \"cpu\"}}, got {off!r}")
+        raise ConfigError(f"{where}: expected an object such as {{\"device\": \"cpu\"}}, got {short_repr(off)}")
     if "device" not in off:
         return off, f"{where}: no device (DeepSpeed's default, none)"
     if _is_auto(off["device"]):
@@ -256,7 +260,49 @@ def _device(off: Mapping[str, Any], where: str) -> str:
         return device
     hint = f"; write {device.lower()!r}" if isinstance(device, str) and device.lower() in _DEVICES else ""
     raise ConfigError(f"{where}.device: expected 'none', 'cpu' or 'nvme' (DeepSpeed's offload devices, lowercase; "
-                      f"it refuses any other), got {device!r}{hint}")
+                      f"it refuses any other), got {short_repr(device)}{hint}")
+
+
+# Kernel filesystems that show processes, devices and settings as files: a directory on one may pass the
+# permission check (as root, /proc does) but cannot hold a swap file.
+_PSEUDO_FILESYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "securityfs", "debugfs", "tracefs",
+                                 "bpf", "pstore", "configfs", "fusectl", "mqueue", "efivarfs", "binfmt_misc",
+                                 "autofs", "nsfs", "rpc_pipefs", "selinuxfs", "hugetlbfs"})
+
+
+def _nvme_path(value: object, key: str) -> str:
+    """An offload section's nvme_path: one directory, as DeepSpeed reads it (a path, not a list), refused on a
+    kernel filesystem such as /proc."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key}: expected one directory (a string), got {short_repr(value)}; DeepSpeed takes "
+                          "one nvme_path per offload section: convert with one, then list the others in nvme.paths")
+    fstype = _filesystem_type(value)
+    if fstype in _PSEUDO_FILESYSTEMS:
+        raise ConfigError(f"{key}: {short_repr(value)} is on the kernel's {fstype} filesystem, which cannot hold "
+                          "swap files; choose a directory on the NVMe drive")
+    return value
+
+
+def _filesystem_type(path: str) -> str | None:
+    """The type of the filesystem `path` (or, where it does not exist yet, its nearest existing ancestor) is on,
+    from /proc/self/mountinfo; None where that cannot be read."""
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read(1 << 22).splitlines()
+    except OSError:
+        return None
+    best, fstype = "", None
+    for line in lines:  # "ID PARENT DEV ROOT MOUNTPOINT OPTIONS [TAGS...] - TYPE SOURCE SUPEROPTIONS"
+        fields, _, rest = line.partition(" - ")
+        parts, kind = fields.split(), rest.split()
+        if len(parts) < 5 or not kind:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # "\040" is a space
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):  # the deepest mount; of several at one point, the last
+            best, fstype = mount, kind[0]
+    return fstype
 
 
 def _offload_keys(off: Mapping[str, Any], key: str, where: str, device: str, stage: object) -> list[str]:
@@ -281,7 +327,8 @@ def _offload_keys(off: Mapping[str, Any], key: str, where: str, device: str, sta
             warnings.append(f"{where}.ratio: \"auto\": DeepSpeed reads it as 1: all of the optimizer state goes to "
                             "optimizer.tier")
         elif isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
-            raise ConfigError(f"{where}.ratio: expected a number from 0 to 1 (DeepSpeed's rule), got {ratio!r}")
+            raise ConfigError(f"{where}.ratio: expected a number from 0 to 1 (DeepSpeed's rule), got "
+                              f"{short_repr(ratio)}")
         elif ratio < 1 and stage != 3:
             raise ConfigError(f"{where}.ratio: {ratio} needs zero_optimization.stage 3: DeepSpeed refuses partial "
                               f"offloading below stage 3, got stage {stage}")
@@ -324,7 +371,7 @@ def _count(zero: Mapping[str, Any], key: str, warnings: list[str]) -> int | None
         return None
     if value < 0 or value != int(value):
         raise ConfigError(f"zero_optimization.{key}: expected a whole number of parameter elements >= 0 "
-                          f"(DeepSpeed's rule), got {zero[key]!r}")
+                          f"(DeepSpeed's rule), got {short_repr(zero[key])}")
     return int(value)
 
 
@@ -355,8 +402,8 @@ def _on(section: object, where: str, warnings: list[str]) -> bool:
     if _is_auto(enabled):
         warnings.append(_auto_warning(f"{where}.enabled"))
         return False
-    if isinstance(enabled, str):
-        raise ConfigError(f"{where}.enabled: expected true, false or \"auto\", got {enabled!r}")
+    if not isinstance(enabled, bool) and enabled not in (0, 1):
+        raise ConfigError(f"{where}.enabled: expected true, false or \"auto\", got {short_repr(enabled)}")
     return bool(enabled)
 
 
@@ -374,9 +421,9 @@ def _half_keys(ds: Mapping[str, Any], bf16_key: str) -> list[str]:
                 continue
             if name == "fp16" and key == "loss_scale":  # 0 is DeepSpeed's dynamic scaling, others a fixed scale
                 what = "dynamic" if value == 0 else "a fixed loss scale is not supported"
-                warnings.append(f"fp16.loss_scale: {value} ({what}): {_SCALING}")
+                warnings.append(f"fp16.loss_scale: {short_repr(value)} ({what}): {_SCALING}")
             elif name == "fp16" and key in _FP16:
-                warnings.append(f"fp16.{key}: {value}: {_FP16[key]}")
+                warnings.append(f"fp16.{key}: {short_repr(value)}: {_FP16[key]}")
             else:
                 warnings.append(f"{name}.{key}: not known to this converter; ignored")
     return warnings
@@ -392,11 +439,14 @@ def _number(section: Mapping[str, Any], key: str, where: str, warnings: list[str
         warnings.append(_auto_warning(f"{where}.{key}"))
         return None
     if isinstance(value, bool):
-        raise ConfigError(f"{where}.{key}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}.{key}: expected a number, got {short_repr(value)}")
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}.{key}: expected a number or \"auto\", got {value!r}") from None
+        raise ConfigError(f"{where}.{key}: expected a number or \"auto\", got {short_repr(value)}") from None
+    except OverflowError:  # an int past float's range, which json reads whole
+        raise ConfigError(f"{where}.{key}: expected a number within float range (about 1.8e308), got "
+                          f"{short_repr(value)}") from None
     if not math.isfinite(number):
-        raise ConfigError(f"{where}.{key}: expected a finite number, got {value!r}")
+        raise ConfigError(f"{where}.{key}: expected a finite number, got {short_repr(value)}")
     return number

@@ -79,7 +79,11 @@ def run_from_deepspeed(args: argparse.Namespace) -> int:
             ds = json.load(f, object_pairs_hook=_unique_keys)
         overrides, warnings = from_deepspeed(ds)
         cfg = load_config(None, **overrides)
-    except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, ConfigError are ValueErrors
+    except RecursionError:
+        print(f"{args.file}: JSON nested deeper than Python's reader follows; a DeepSpeed config is a few levels "
+              "deep: check that this is the file meant", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except (OSError, ValueError) as exc:  # JSONDecodeError, ConfigError are ValueErrors
         print(f"{args.file}: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, no traceback
         return EXIT_BAD_CONFIG
     for line in warnings:
