@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import resource
+import signal
 import subprocess
 import sys
 import textwrap
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -117,7 +122,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> 
             raise OSError(28, "No space left on device (simulated)")
 
         monkeypatch.setattr(ck, "_write_sharded", boom)
-        with pytest.raises(OSError, match="No space"):
+        with pytest.raises(CheckpointError, match=r"No space left on device \(simulated\).*Free space"):
             tm.save_checkpoint(tmp_path / "ckpt")
         monkeypatch.undo()
         assert sorted(os.listdir(tmp_path / "ckpt")) == before
@@ -266,6 +271,38 @@ def _flip_last_byte(path) -> None:
     path.write_bytes(bytes(raw))
 
 
+def _rewrite(path, data: bytes) -> None:
+    """Replace the checkpoint file at `path` with `data` and enter its new size and CRC-32 in manifest.json, as a
+    crafted checkpoint would, so only what `data` holds can give it away."""
+    path.write_bytes(data)
+    manifest = json.loads((path.parent / "manifest.json").read_text())
+    manifest["files"][path.name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (path.parent / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _set_group_value(key: str, value: object) -> Callable[[Path], None]:
+    def damage(path) -> None:
+        state = json.loads(path.read_text())
+        state["param_groups"][0][key] = value
+        _rewrite(path, json.dumps(state).encode())
+
+    return damage
+
+
+def _listed_directory(path) -> None:
+    path.mkdir()
+    manifest = json.loads((path.parent / "manifest.json").read_text())
+    manifest["files"][path.name] = {"bytes": path.stat().st_size, "crc32": 0}
+    (path.parent / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _symlink_to_a_copy(path) -> None:
+    copy = path.parent.parent / f"copy-of-{path.name}"
+    copy.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(copy)
+
+
 DAMAGE = {
     "truncated optimizer shard": ("optimizer-00001-of-00001.safetensors",
                                  lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])),
@@ -273,6 +310,15 @@ DAMAGE = {
     "missing optimizer index": ("optimizer.safetensors.index.json", lambda p: p.unlink()),
     "flipped byte in a weight shard": ("model-00001-of-00001.safetensors", _flip_last_byte),
     "flipped byte in an optimizer shard": ("optimizer-00001-of-00001.safetensors", _flip_last_byte),
+    "lr a string in trainer_state.json": ("trainer_state.json", _set_group_value("lr", "0.001")),
+    "lr NaN in trainer_state.json": ("trainer_state.json", _set_group_value("lr", math.nan)),
+    "betas of three numbers in trainer_state.json": ("trainer_state.json", _set_group_value("betas", [0.9, 0.99, 1])),
+    "amsgrad a number in trainer_state.json": ("trainer_state.json", _set_group_value("amsgrad", 0)),
+    "a manifest entry that is a directory": ("notes.txt", _listed_directory),
+    "manifest.json nested 200,000 deep": ("manifest.json",
+                                          lambda p: p.write_text('{"files": ' + "[" * 200_000 + "]" * 200_000 + "}")),
+    "trainer_state.json a symlink to a copy of itself": ("trainer_state.json", _symlink_to_a_copy),
+    "a model shard a symlink to a copy of itself": ("model-00001-of-00001.safetensors", _symlink_to_a_copy),
 }
 
 
@@ -300,6 +346,222 @@ def test_a_damaged_checkpoint_is_refused_and_changes_nothing(tmp_path, damage) -
     assert _files(tmp_path / "after") == _files(tmp_path / "before")
 
 
+# Checkpoints from elsewhere (a tar archive can carry FIFOs, device nodes and symlinks): each case in one child
+# process, so that a load that blocks (opening a FIFO: not even Ctrl-C ends it) fails the test instead of hanging
+# it, and a read that never ends (/dev/zero) meets the child's memory limit instead of the machine's.
+UNTRUSTED = textwrap.dedent("""
+    import json, os, shutil, sys, torch
+    sys.path.insert(0, {root!r})
+    import pathlib
+    from tests.test_checkpoint import _files, _rewrite
+    from tests.test_training import batches, cfg, mlp, run_steps
+    from tiermem import tiered_offload
+    from tiermem.errors import CheckpointError
+    folder = pathlib.Path(sys.argv[1])
+    INDEX = "model.safetensors.index.json"
+    SHARD = "model-00001-of-00001.safetensors"
+
+    def outside_fifo(name):
+        fifo = folder / name
+        os.mkfifo(fifo)
+        return str(fifo)
+
+    def names_in_index(ckpt, shard, rewrite=True):
+        index = json.loads((ckpt / INDEX).read_text())
+        index["weight_map"] = {{k: shard for k in index["weight_map"]}}
+        data = json.dumps(index).encode()
+        _rewrite(ckpt / INDEX, data) if rewrite else (ckpt / INDEX).write_bytes(data)
+
+    def fifo_for(path):
+        path.unlink()
+        os.mkfifo(path)
+
+    def link_to_zero(path):
+        path.unlink()
+        path.symlink_to("/dev/zero")
+
+    def link_to_copy(path):
+        copy = folder / ("blob-" + path.name)
+        shutil.copyfile(path, copy)
+        path.unlink()
+        path.symlink_to(copy)
+
+    LOAD = {{  # damage done to a copy of the checkpoint, then tm.load_checkpoint(copy)
+        "manifest.json a FIFO": lambda c: fifo_for(c / "manifest.json"),
+        "manifest.json a symlink to /dev/zero": lambda c: link_to_zero(c / "manifest.json"),
+        "trainer_state.json a FIFO": lambda c: fifo_for(c / "trainer_state.json"),
+        "a model shard a FIFO": lambda c: fifo_for(c / SHARD),
+        "the index names a FIFO outside by its absolute path": lambda c: names_in_index(c, outside_fifo("load.fifo")),
+    }}
+    WEIGHTS = {{  # the same, then tiered_offload(mlp(), checkpoint=copy / INDEX)
+        "checkpoint=: a shard a FIFO": lambda c: fifo_for(c / SHARD),
+        "checkpoint=: a shard a symlink to /dev/zero": lambda c: link_to_zero(c / SHARD),
+        "checkpoint=: the index names a FIFO outside by its absolute path":
+            lambda c: names_in_index(c, outside_fifo("weights.fifo"), rewrite=False),
+        "checkpoint=: the index names a shard in a subfolder": lambda c: names_in_index(c, "sub/" + SHARD, False),
+        "checkpoint=: a shard a symlink to a regular file (as the Hugging Face cache keeps them)":
+            lambda c: link_to_copy(c / SHARD),
+    }}
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outcome = {{}}
+    with tiered_offload(model, optimizer=opt, **cfg(folder)) as tm:
+        run_steps(model, tm.optimizer, batches(2))
+        tm.save_checkpoint(folder / "ckpt")
+        run_steps(model, tm.optimizer, batches(3)[2:])
+        tm.save_checkpoint(folder / "before")
+        for k, (case, damage) in enumerate(LOAD.items()):
+            copy = folder / f"load-{{k}}"
+            shutil.copytree(folder / "ckpt", copy)
+            damage(copy)
+            try:
+                tm.load_checkpoint(copy)
+                error = None
+            except CheckpointError as exc:
+                error = str(exc)
+            tm.save_checkpoint(folder / "after")
+            outcome[case] = (error, _files(folder / "after") == _files(folder / "before"))
+        with tm.gathered():
+            trained = {{n: p.detach().clone() for n, p in model.named_parameters()}}
+    for k, (case, damage) in enumerate(WEIGHTS.items()):
+        copy = folder / f"weights-{{k}}"
+        shutil.copytree(folder / "before", copy)
+        damage(copy)
+        fresh = mlp()
+        try:
+            with tiered_offload(fresh, checkpoint=str(copy / INDEX), **cfg(folder / f"w{{k}}")):
+                pass
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        same = all(torch.equal(p.detach(), trained[n]) for n, p in fresh.named_parameters())
+        outcome[case] = (error, same)
+    print("OUTCOME", json.dumps(outcome))
+""")
+
+
+def test_files_of_a_checkpoint_that_are_not_regular_files_are_refused_without_blocking(tmp_path,
+                                                                                     compute_device) -> None:
+    """A FIFO or a symlink to /dev/zero under a checkpoint file's name, or an index naming a file outside its
+    folder (a FIFO here), is a CheckpointError naming the file, raised at once without opening it (before: the
+    load blocked forever, or read until memory ran out), and the model and optimizer stay as they were; for
+    checkpoint= likewise, while a shard that is a symlink to a regular file (the Hugging Face cache) loads."""
+    if compute_device is not None:
+        pytest.skip("the child process runs on the CPU; the copying device changes nothing here")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def limit_memory() -> None:  # before the fix, /dev/zero was read until memory ran out
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    try:
+        res = subprocess.run([sys.executable, "-c", UNTRUSTED.format(root=root), str(tmp_path)], capture_output=True,
+                             text=True, timeout=90, preexec_fn=limit_memory)
+    except subprocess.TimeoutExpired:
+        pytest.fail("loading a checkpoint with a FIFO in it blocked")
+    assert res.returncode == 0, res.stderr[-3000:]
+    outcome = json.loads(res.stdout.split("OUTCOME ", 1)[1])
+    expected = {  # case -> (what the error says, naming the file), or None: it loads
+        "manifest.json a FIFO": r"load-0/manifest.json: a FIFO, not a regular file",
+        "manifest.json a symlink to /dev/zero": r"load-1/manifest.json: a symbolic link, not a regular file",
+        "trainer_state.json a FIFO": r"load-2/trainer_state.json: a FIFO, not a regular file",
+        "a model shard a FIFO": r"load-3/model-00001-of-00001.safetensors: a FIFO, not a regular file",
+        "the index names a FIFO outside by its absolute path":
+            r"load-4/model.safetensors.index.json names the shard '/.*/load.fifo', which manifest.json does not list",
+        "checkpoint=: a shard a FIFO": r"weights-0/model-00001-of-00001.safetensors: a FIFO, not a regular file",
+        "checkpoint=: a shard a symlink to /dev/zero":
+            r"weights-1/model-00001-of-00001.safetensors: a character device, not a regular file",
+        "checkpoint=: the index names a FIFO outside by its absolute path":
+            r"weights-2/model.safetensors.index.json: the weight_map names '/.*/weights.fifo' as a shard; shards are "
+            r"named by plain file names",
+        "checkpoint=: the index names a shard in a subfolder":
+            r"weights-3/model.safetensors.index.json: the weight_map names 'sub/model-00001-of-00001.safetensors'",
+        "checkpoint=: a shard a symlink to a regular file (as the Hugging Face cache keeps them)": None,
+    }
+    assert set(outcome) == set(expected)
+    for case, (error, unchanged) in outcome.items():
+        if expected[case] is None:
+            assert error is None, (case, error)
+            assert unchanged, f"{case}: the weights loaded are not the ones saved"
+        else:
+            assert error is not None and re.search(expected[case], error), (case, error)
+            if not case.startswith("checkpoint="):
+                assert unchanged, f"{case}: the refused load changed the model or the optimizer"
+
+
+def _sigterm_from_backward(module: torch.nn.Module) -> Callable[[], None]:
+    """Until the returned function is called, each forward of `module` registers a hook on its output that sends
+    this process SIGTERM when backward reaches it; returns what removes that."""
+    def on_output(mod, args, out) -> None:
+        out.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGTERM))
+
+    return module.register_forward_hook(on_output).remove
+
+
+@pytest.mark.parametrize("handler", ["catches the error", "lets it end the backward"])
+def test_a_save_from_a_signal_handler_during_backward_says_to_save_after_the_step(tmp_path, compute_device,
+                                                                                  handler: str) -> None:
+    """A save (or load) from a SIGTERM handler during backward is a CheckpointError saying to save after the step,
+    the checkpoint unchanged (before: it ran mid-backward); the step and the save after it are as without the signal."""
+    data = batches(3)
+
+    def train(folder, signalled: bool) -> list[CheckpointError]:
+        errors: list[CheckpointError] = []
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with tiered_offload(model, optimizer=opt, **cfg(folder)) as tm:
+            run_steps(model, tm.optimizer, data[:2])
+            tm.save_checkpoint(folder / "ckpt")
+            saved = _files(folder / "ckpt")
+
+            def on_sigterm(signum, frame) -> None:
+                try:
+                    tm.save_checkpoint(folder / "ckpt")
+                except CheckpointError as exc:
+                    errors.append(exc)
+                    if handler != "catches the error":
+                        raise
+                    try:  # loading there is refused alike
+                        tm.load_checkpoint(folder / "ckpt")
+                    except CheckpointError as again:
+                        errors.append(again)
+
+            x, y = data[2]
+            tm.optimizer.zero_grad()
+            remove = _sigterm_from_backward(model[2]) if signalled else lambda: None  # half-way through backward
+            before = signal.signal(signal.SIGTERM, on_sigterm)
+            try:
+                loss = loss_fn(model, x, y)
+                remove()
+                try:
+                    tm.backward(loss)
+                except CheckpointError:
+                    assert errors and handler != "catches the error"
+                    tm.optimizer.zero_grad()  # the step again, whole
+                    tm.backward(loss_fn(model, x, y))
+            finally:
+                signal.signal(signal.SIGTERM, before)
+                remove()
+            if errors:
+                assert _files(folder / "ckpt") == saved
+            assert not [p for p in os.listdir(folder) if ".tmp-" in p]
+            tm.optimizer.step()
+            tm.save_checkpoint(folder / "ckpt")  # what the message says to do: save after the step
+        return errors
+
+    assert not train(tmp_path / "plain", signalled=False)
+    errors = train(tmp_path / "signalled", signalled=True)
+    if compute_device is None:
+        assert len(errors) == (2 if handler == "catches the error" else 1)
+        assert re.search(r"save_checkpoint\(\) cannot run inside a backward pass.*Nothing was saved.*save after the "
+                         r"step", str(errors[0]))
+        if len(errors) == 2:
+            assert re.search(r"load_checkpoint\(\) cannot run inside a backward pass.*Nothing was loaded",
+                             str(errors[1]))
+    else:  # backward runs on the device's thread there, and Python calls the handler once it has returned (as
+        assert not errors  # with CUDA): the handler's save runs after the backward, where it may
+    assert _files(tmp_path / "signalled" / "ckpt") == _files(tmp_path / "plain" / "ckpt")
+
+
 def test_the_float16_loss_scale_is_saved_and_loaded(tmp_path) -> None:
     """With float16 parameters, the dynamic loss scale and its counters come back from a checkpoint, so a
     resume does not start again from 2**16 and skip steps it had already learned to avoid."""
@@ -309,11 +571,11 @@ def test_the_float16_loss_scale_is_saved_and_loaded(tmp_path) -> None:
         x, y = batches(1)[0]
         tm.backward(loss_fn(model, x.half(), y.half()))
         tm.optimizer.step()
-        tm.optimizer.scale, tm.optimizer._good_steps, tm.optimizer.skipped_steps = 1024.0, 7, 3
+        tm.optimizer.scale, tm.optimizer.loss_scale.good_steps, tm.optimizer.skipped_steps = 1024.0, 7, 3
         tm.save_checkpoint(tmp_path / "ckpt")
-        tm.optimizer.scale, tm.optimizer._good_steps, tm.optimizer.skipped_steps = 2.0**16, 0, 0
+        tm.optimizer.scale, tm.optimizer.loss_scale.good_steps, tm.optimizer.skipped_steps = 2.0**16, 0, 0
         tm.load_checkpoint(tmp_path / "ckpt")
-        assert (tm.optimizer.scale, tm.optimizer._good_steps, tm.optimizer.skipped_steps) == (1024.0, 7, 3)
+        assert (tm.optimizer.scale, tm.optimizer.loss_scale.good_steps, tm.optimizer.skipped_steps) == (1024.0, 7, 3)
 
 
 @pytest.mark.parametrize("fault", ["read error", "bytes changed after the check"])

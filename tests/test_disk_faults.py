@@ -369,3 +369,53 @@ def test_leaving_with_a_dead_disk_loses_only_the_units_not_in_host_memory(ext4_m
     """Dead disk at exit: the RestoreError names exactly the parameters whose units were not in host memory."""
     on_host, err, model = leave_with_a_dead_disk(ext4_mount)
     assert set(err.failed) == {n for n, _ in model.named_parameters()} - on_host
+
+
+def _descriptors() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", ["shut down", "full"])
+def test_a_disk_that_fails_as_the_optimizer_shard_begins_is_a_checkpoint_error(ext4_mount, monkeypatch,
+                                                                               fault: str) -> None:
+    """The checkpoint's disk shut down (every I/O then fails with EIO) or filled up just as the save begins the
+    optimizer shard: a CheckpointError naming the shard and the drive's error, with what to do (before, for EIO,
+    a bare OSError that `except TiermemError` did not catch); no descriptor or thread is left, and training and
+    saving elsewhere go on, the checkpoint equal to one saved with no fault."""
+    from tiermem.errors import CheckpointError
+    from tiermem.runtime import safetensors_io
+
+    mount = ext4_mount(16 << 20)
+    data = batches(3)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    threads = threading.active_count()
+    real_init = safetensors_io.SafetensorsWriter.__init__
+
+    def begin(self: Any, path: str, *args: Any, **kwargs: Any) -> None:
+        if os.path.basename(path).startswith("optimizer-"):
+            shut_down(mount) if fault == "shut down" else fill(mount)
+        real_init(self, path, *args, **kwargs)
+
+    swap = os.path.join(os.path.dirname(mount), "swap")  # beside the disk, not on it
+    with tiered_offload(model, optimizer=opt, **cfg(swap)) as tm:
+        train_step(tm, model, data[0])
+        descriptors = _descriptors()
+        monkeypatch.setattr(safetensors_io.SafetensorsWriter, "__init__", begin)
+        with pytest.raises(TiermemError) as caught:
+            tm.save_checkpoint(os.path.join(mount, "ckpt"))
+        monkeypatch.undo()
+        assert isinstance(caught.value, CheckpointError), repr(caught.value)
+        error = "Input/output error" if fault == "shut down" else "No space left on device"
+        fix = "The drive failed or went away" if fault == "shut down" else "Free space on that drive"
+        assert re.search(rf"{mount}/ckpt\.tmp-\d+/optimizer-00001-of-00001\.safetensors: writing failed "
+                         rf"\([^)]*{error}\).*{fix}", str(caught.value)), str(caught.value)
+        assert _descriptors() <= descriptors
+        train_step(tm, model, data[1])
+        tm.save_checkpoint(os.path.dirname(mount) + "/elsewhere")
+        with tm.gathered():
+            trained = snapshot(model)
+    assert threading.active_count() == threads
+    for name, value in reference(data[:2])[2].items():
+        assert torch.equal(trained[name], value), name

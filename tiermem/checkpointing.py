@@ -42,9 +42,13 @@ finish, or a tiermem older than the manifest wrote it; `load_checkpoint` refuses
 # [Note: checked loading]
 `load_checkpoint` changes nothing until the whole checkpoint has been checked, so a damaged one leaves the
 model and the optimizer as they were and raises CheckpointError naming the file (and the tensor):
-1. manifest.json and the small JSON files are read; every file it lists must be there with its size, and
-   the JSON files must match their CRC-32 and parse. trainer_state.json must agree with the optimizer
-   (type, param groups by parameter name, state kinds, steps of parameters it trains).
+1. manifest.json and the small JSON files are read; every file it lists must be there, a regular file (not a
+   symlink, FIFO, device or directory: looked at before it is opened, and opened without following a link or
+   blocking; [Note: opening files that others made] in tiermem/io/files.py) with its size, and the JSON files
+   (at most MAX_JSON bytes) must match their CRC-32 and parse. An index may name only shards the manifest
+   lists, checked before any is opened. trainer_state.json must agree with the optimizer (type, param
+   groups by parameter name, each setting of the kind the optimizer's own is and finite, state kinds, steps
+   of parameters it trains). A checkpoint folder given as a symlink is followed: the user named it.
 2. Every tensor the model and the optimizer need must be in its shard, with its shape and a compatible
    dtype, its byte range inside the file, and its shard's header unchanged.
 3. Every shard to load is read once, front to back in 4 MiB pieces, and the CRC-32 of each tensor in it
@@ -111,9 +115,19 @@ import torch
 from tiermem.device import check_host
 from tiermem.distributed import Ranks, gather_unit
 from tiermem.errors import CheckpointError, TiermemError
-from tiermem.io.aio import read_bytes
+from tiermem.io.files import open_regular, refuse_unless_regular
 from tiermem.optim import StateTensor, TieredOptimizer
-from tiermem.runtime.safetensors_io import SafetensorsCheckpoint, SafetensorsRangeWriter, SafetensorsWriter, _header
+from tiermem.runtime.safetensors_io import (
+    MAX_JSON,
+    SafetensorsCheckpoint,
+    SafetensorsRangeWriter,
+    SafetensorsWriter,
+    _header,
+    parse_json,
+    plain_name,
+    unreadable_file,
+    write_fix,
+)
 from tiermem.runtime.unit import Unit
 from tiermem.swap import Partition, TensorSwapper, Tier
 
@@ -204,7 +218,15 @@ def write_checkpoint(path: str | os.PathLike[str], model: list[Spec], optimizer:
 
 
 def _save(final: str, fill: Callable[[str], None]) -> str:
-    """Have `fill` write a checkpoint into a new directory, then put it at `final`."""
+    """Have `fill` write a checkpoint into a new directory, then put it at `final`. An OSError on the way (the
+    folder, a JSON file, the rename) is a CheckpointError naming the file, as a shard's failed write is."""
+    try:
+        return _save_into(final, fill)
+    except OSError as exc:
+        raise CheckpointError(_said(exc, final)) from exc
+
+
+def _save_into(final: str, fill: Callable[[str], None]) -> str:
     if os.path.lexists(final) and not os.path.isdir(final):
         raise CheckpointError(f"{final} exists and is not a directory; pass a directory for the checkpoint")
     os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -273,10 +295,8 @@ def _said(exc: BaseException, where: str) -> str:
         return str(exc)
     if not isinstance(exc, OSError):
         return f"{type(exc).__name__}: {exc}"
-    fix = ("Free space on that drive, or save elsewhere" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
-           "Check that the folder can be written, or save elsewhere")
     return (f"{exc.filename or where}: {exc.strerror or exc}; a checkpoint already at the path the save was given "
-            f"is left as it was. {fix}")
+            f"is left as it was. {write_fix(exc)}")
 
 
 class _Told(CheckpointError):
@@ -869,8 +889,20 @@ async def _write_files(folder: str, contents: dict[str, bytes]) -> None:
 
 
 async def _read_files(folder: str, names: list[str]) -> dict[str, bytes]:
-    datas = await asyncio.gather(*(read_bytes(os.path.join(folder, name)) for name in names))
-    return dict(zip(names, datas, strict=True))
+    """The first MAX_JSON + 1 bytes of each file: regular files only, never through a symlink and never
+    blocking ([Note: opening files that others made] in tiermem/io/files.py)."""
+    async def one(name: str) -> bytes:
+        async with aiofiles.open(os.path.join(folder, name), "rb",
+                                 opener=lambda path, _: open_regular(path, follow_links=False)) as f:
+            return await f.read(MAX_JSON + 1)
+
+    datas = await asyncio.gather(*(one(name) for name in names), return_exceptions=True)
+    for name, data in zip(names, datas, strict=True):
+        if isinstance(data, OSError):
+            raise unreadable_file(os.path.join(folder, name), data) from None
+        if isinstance(data, BaseException):
+            raise data
+    return dict(zip(names, datas, strict=True))  # type: ignore[arg-type]
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -1067,6 +1099,11 @@ def _check(src: CheckpointContents, folder: str) -> _Checked:
                               f"checkpoint={os.path.join(folder, MODEL_INDEX)!r})")
     files = _check_manifest(folder)
     small = [n for n, e in files.items() if "crc32" in e]
+    large = [n for n in small if files[n]["bytes"] > MAX_JSON]
+    if large:
+        raise CheckpointError(f"{os.path.join(folder, large[0])}: {files[large[0]]['bytes']} bytes, more than the "
+                              f"{MAX_JSON >> 20} MiB any JSON file of a checkpoint holds; the checkpoint is damaged. "
+                              "Nothing was loaded; use an intact copy")
     contents = _run(_read_files(folder, small))
     for name in small:
         got = zlib.crc32(contents[name])
@@ -1074,7 +1111,8 @@ def _check(src: CheckpointContents, folder: str) -> _Checked:
             raise CheckpointError(f"{os.path.join(folder, name)}: its CRC-32 is {got:08x}, {MANIFEST} says "
                                   f"{files[name]['crc32']:08x}: the file was changed or damaged after the save. "
                                   "Nothing was loaded; use an intact copy of the checkpoint")
-    weights = SafetensorsCheckpoint(os.path.join(folder, MODEL_INDEX))
+    _check_index(folder, MODEL_INDEX, files, contents)
+    weights = SafetensorsCheckpoint(os.path.join(folder, MODEL_INDEX), follow_links=False)
     checked = _Checked(weights)
     try:
         _check_shards(weights, files)
@@ -1091,16 +1129,25 @@ def _check(src: CheckpointContents, folder: str) -> _Checked:
     return checked
 
 
+def _check_index(folder: str, name: str, files: dict[str, dict[str, Any]], contents: dict[str, bytes]) -> None:
+    """Every shard the index `name` names (its bytes checked against the manifest already) is a shard the
+    manifest lists: checked before any shard is opened."""
+    path = os.path.join(folder, name)
+    index = parse_json(path, contents.get(name, b""))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{path}: no 'weight_map' object; the checkpoint is damaged. Nothing was loaded; use "
+                              "an intact copy")
+    for shard in weight_map.values():
+        if not plain_name(shard) or "tensors" not in files.get(shard, {}):
+            raise CheckpointError(f"{path} names the shard {shard!r}, which {MANIFEST} does not list; the index was "
+                                  "changed after the save. Nothing was loaded; use an intact copy")
+
+
 def _check_manifest(folder: str) -> dict[str, dict[str, Any]]:
-    """manifest.json's file entries, after checking that each file is there with its size."""
+    """manifest.json's file entries, after checking that each file is there, a regular file, with its size."""
     path = os.path.join(folder, MANIFEST)
-    try:
-        manifest = json.loads(_run(read_bytes(path)))
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc}); the checkpoint is damaged, use an intact "
-                              "copy") from None
+    manifest = parse_json(path, _run(_read_files(folder, [MANIFEST]))[MANIFEST])
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(_manifest_entry(n, e) for n, e in files.items()):
         raise CheckpointError(f"{path}: not a tiermem manifest (expected {{'format': {FORMAT}, 'files': {{name: "
@@ -1111,10 +1158,15 @@ def _check_manifest(folder: str) -> dict[str, dict[str, Any]]:
     for name, entry in files.items():
         file = os.path.join(folder, name)
         try:
-            size = os.stat(file).st_size
+            st = os.lstat(file)
         except FileNotFoundError:
             raise CheckpointError(f"{file}: missing, but {MANIFEST} lists it; the checkpoint is incomplete. Nothing "
                                   "was loaded; use an intact copy of the checkpoint") from None
+        try:
+            refuse_unless_regular(st, file)  # before it is opened: a FIFO would block, /dev/zero never end
+        except OSError as exc:
+            raise unreadable_file(file, exc) from None
+        size = st.st_size
         if size != entry["bytes"]:
             raise CheckpointError(f"{file}: {size} bytes, but {MANIFEST} says {entry['bytes']}: the file was "
                                   "truncated or replaced after the save. Nothing was loaded; use an intact copy")
@@ -1122,7 +1174,7 @@ def _check_manifest(folder: str) -> dict[str, dict[str, Any]]:
 
 
 def _manifest_entry(name: Any, entry: Any) -> bool:
-    if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+    if not plain_name(name):
         return False
     if not isinstance(entry, dict) or not _count(entry.get("bytes")):
         return False
@@ -1190,10 +1242,7 @@ def _check_optimizer(src: CheckpointContents, folder: str, files: dict[str, dict
     if TRAINER_STATE not in contents:
         raise CheckpointError(f"{folder}: no {TRAINER_STATE}; the checkpoint holds no optimizer state (it was saved "
                               "without an optimizer). Load it into tiered_offload(model) without optimizer=")
-    try:
-        saved = json.loads(contents[TRAINER_STATE])
-    except ValueError as exc:
-        raise CheckpointError(f"{state_path}: not valid JSON ({exc}); use an intact copy of the checkpoint") from None
+    saved = parse_json(state_path, contents[TRAINER_STATE])
     _check_trainer_state(src, saved, state_path)
     checked.trainer = saved
     expected = list(_optimizer_tensors(src))
@@ -1203,7 +1252,8 @@ def _check_optimizer(src: CheckpointContents, folder: str, files: dict[str, dict
         raise CheckpointError(f"{os.path.join(folder, OPTIMIZER_INDEX)}: missing, but {TRAINER_STATE} records "
                               f"optimizer state {saved['state_kinds']} for {len(saved['steps'])} parameters. Nothing "
                               "was loaded; use an intact copy of the checkpoint")
-    checked.states = SafetensorsCheckpoint(os.path.join(folder, OPTIMIZER_INDEX))
+    _check_index(folder, OPTIMIZER_INDEX, files, contents)
+    checked.states = SafetensorsCheckpoint(os.path.join(folder, OPTIMIZER_INDEX), follow_links=False)
     _check_shards(checked.states, files)
     for name, dtype, shape, _ in expected:
         _check_tensor(checked.states, name, shape, dtype, f"the optimizer state {name!r}")
@@ -1237,10 +1287,9 @@ def _check_trainer_state(src: CheckpointContents, saved: Any, path: str) -> None
             raise CheckpointError(f"{path}: param group {k} was saved with other parameters than the optimizer's "
                                   f"group {k} holds; build the optimizer with the param groups it was saved with")
         for key, value in stored.items():
-            if key != "params" and not _plain(value):
-                raise malformed(f"param group {k}: {key!r} is {value!r}")
-            if isinstance(group.get(key), tuple) and not isinstance(value, list):
-                raise malformed(f"param group {k}: {key!r} is {value!r}, expected a list")
+            why = None if key == "params" else _unlike(value, group.get(key))
+            if why is not None:
+                raise malformed(f"param group {k}: {key!r} is {json.dumps(value)[:80]}, {why}")
     if saved.get("state_kinds") != opt.state_kinds():
         raise CheckpointError(f"{path}: saved with optimizer state {saved.get('state_kinds')}, this optimizer keeps "
                               f"{opt.state_kinds()}; use the settings it was saved with (amsgrad, momentum, "
@@ -1264,10 +1313,38 @@ def _check_trainer_state(src: CheckpointContents, saved: Any, path: str) -> None
                               "saved from another model or with other param groups")
 
 
-def _plain(value: Any) -> bool:
-    if value is None or isinstance(value, bool | int | float | str):
-        return True
-    return isinstance(value, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+def _unlike(value: Any, current: Any) -> str | None:
+    """Why `value`, a param-group setting read from trainer_state.json, cannot replace `current`, the optimizer's
+    own value for it (None: absent from its group), or None when it can: the same kind of value (a number for a
+    number or a tensor, a list of as many numbers for a tuple, a bool, a string), and a finite number unless the
+    optimizer's own is not finite. Loading sets it in the group, and torch's step then computes with it."""
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    def finite(v: Any, like: Any) -> bool:
+        return math.isfinite(v) or (number(like) and not math.isfinite(like))
+
+    if isinstance(current, bool):
+        return None if isinstance(value, bool) else f"where the optimizer's is a bool ({current})"
+    if number(current) or (isinstance(current, torch.Tensor) and current.numel() == 1):
+        like = float(current)
+        if not number(value):
+            return f"where the optimizer's is the number {like}"
+        return None if finite(value, like) else f"not a finite number (the optimizer's is {like})"
+    if isinstance(current, tuple | list):
+        if not (isinstance(value, list) and len(value) == len(current) and all(map(number, value))):
+            return f"where the optimizer's is {len(current)} numbers ({list(current)})"
+        bad = [v for v, c in zip(value, current, strict=True) if not finite(v, c)]
+        return f"not all finite numbers (the optimizer's are {list(current)})" if bad else None
+    if isinstance(current, str):
+        return None if isinstance(value, str) else f"where the optimizer's is the string {current!r}"
+    if value is None or isinstance(value, bool | str):  # the optimizer has None here, or no such setting
+        return None
+    if number(value):
+        return None if math.isfinite(value) else "not a finite number"
+    if isinstance(value, list) and all(map(number, value)):
+        return None if all(map(math.isfinite, value)) else "not all finite numbers"
+    return "not a number, string, boolean, null or list of numbers"
 
 
 def _verify_checksums(readers: list[SafetensorsCheckpoint], files: dict[str, dict[str, Any]],

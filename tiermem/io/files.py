@@ -7,12 +7,23 @@ opened buffered, a warning says so once per directory, and `IOFile.direct` is Fa
 benchmark) can report it. O_DIRECT also needs the offset, length and buffer address aligned to the
 logical block size; a request that is not (an odd tail, a caller's unaligned buffer) goes through a
 second, buffered descriptor on the same file, which the kernel keeps coherent with the direct one.
+
+# [Note: opening files that others made]
+A checkpoint may come from anywhere (a tar archive, a shared folder), and an archive can carry a FIFO, a
+device node or a symlink under a file's name. Opening a FIFO with no writer blocks forever (and a thread
+blocked in open() or read() holds up asyncio.run and Ctrl-C with it); a symlink to /dev/zero reads until
+memory runs out; a symlink can point anywhere. `open_regular` takes only a regular file: it looks at the
+entry first (lstat, or stat when links may be followed) and opens nothing else, then opens with O_NONBLOCK
+(and O_NOFOLLOW), so a FIFO or device swapped in meanwhile cannot block, and checks with fstat that what it
+opened is that same regular file. Callers cap how much they read of what they parse.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 
 from tiermem.io.buffers import aligned
@@ -27,11 +38,16 @@ class IOFile:
     """A file opened for engine I/O; a context manager. `direct` tells whether O_DIRECT is in use."""
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "r", *, direct: bool = True,
-                 create_mode: int = 0o600, dir_fd: int | None = None) -> None:
+                 create_mode: int = 0o600, dir_fd: int | None = None, regular: bool = False,
+                 follow_links: bool = True) -> None:
         """With `dir_fd`, only the last component of `path` is opened, relative to that directory descriptor and
-        never through a symlink (the swap store's run directories); `path` still names the file in messages."""
+        never through a symlink (the swap store's run directories); `path` still names the file in messages.
+        With `regular` (mode "r" only), the file is opened by `open_regular` (buffered; `follow_links` as
+        there): a file someone else made, such as a checkpoint's shard."""
         if mode not in ("r", "w", "rw"):
             raise ValueError(f"mode must be 'r', 'w' or 'rw', got {mode!r}")
+        if regular and (mode != "r" or dir_fd is not None):
+            raise ValueError("regular=True opens a file to read it, by path: mode 'r', no dir_fd")
         self.path = os.fspath(path)
         flags = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT, "rw": os.O_RDWR | os.O_CREAT}[mode]
         flags |= os.O_CLOEXEC
@@ -44,6 +60,9 @@ class IOFile:
         self.buffered_fd = -1  # the page-cache descriptor for unaligned requests
         self.direct = False  # whether `fd` really is O_DIRECT
         self.fallback_reason: str | None = None  # why O_DIRECT was asked for but is not in use
+        if regular:
+            self.buffered_fd = self.fd = open_regular(self.path, follow_links=follow_links)
+            return
         if direct:
             try:
                 self.fd = os.open(name, flags | os.O_DIRECT, create_mode, dir_fd=dir_fd)
@@ -53,7 +72,11 @@ class IOFile:
                     raise
                 self.fallback_reason = f"{fs_of(self.path)} refuses O_DIRECT"
                 _warn_once(self.path, self.fallback_reason)
-        self.buffered_fd = os.open(name, flags, create_mode, dir_fd=dir_fd)
+        try:
+            self.buffered_fd = os.open(name, flags, create_mode, dir_fd=dir_fd)
+        except BaseException:
+            self.close()  # the direct descriptor, if that one opened (a disk that failed in between)
+            raise
         if self.fd < 0:
             self.fd = self.buffered_fd
 
@@ -88,6 +111,46 @@ class IOFile:
 
     def __repr__(self) -> str:
         return f"IOFile({self.path!r}, {self.mode!r}, direct={self.direct})"
+
+
+_NOT_REGULAR = ((stat.S_ISLNK, errno.ELOOP, "a symbolic link"), (stat.S_ISDIR, errno.EISDIR, "a directory"),
+                (stat.S_ISFIFO, errno.EINVAL, "a FIFO"), (stat.S_ISCHR, errno.EINVAL, "a character device"),
+                (stat.S_ISBLK, errno.EINVAL, "a block device"), (stat.S_ISSOCK, errno.EINVAL, "a socket"))
+
+
+def open_regular(path: str | os.PathLike[str], *, follow_links: bool = False) -> int:
+    """A read-only descriptor of the regular file `path` (see [Note: opening files that others made]). Anything
+    else (a directory, FIFO, device or socket, or without `follow_links` a symbolic link) raises OSError(errno,
+    "a FIFO, not a regular file", path) without being opened; nothing here blocks."""
+    path = os.fspath(path)
+    before = os.stat(path, follow_symlinks=follow_links)
+    refuse_unless_regular(before, path)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links:  # made a symlink after the lstat
+            raise OSError(errno.ELOOP, "a symbolic link, not a regular file", path) from None
+        raise
+    try:
+        now = os.fstat(fd)
+        refuse_unless_regular(now, path)
+        if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+            raise OSError(errno.ESTALE, "replaced by another file while it was being opened", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def refuse_unless_regular(st: os.stat_result, path: str) -> None:
+    if stat.S_ISREG(st.st_mode):
+        return
+    for test, code, kind in _NOT_REGULAR:
+        if test(st.st_mode):
+            raise OSError(code, f"{kind}, not a regular file", path)
+    raise OSError(errno.EINVAL, f"not a regular file (mode {st.st_mode:o})", path)
 
 
 def fs_of(path: str) -> str:

@@ -9,10 +9,17 @@ than host RAM loads with memory bounded by the host budget. A sharded checkpoint
 The writer computes a CRC-32 (zlib) of the header and of each tensor's bytes as it writes them, and the
 reader can compute the same from the file (`checksums`), so a caller that stored the writer's values
 (tiermem/checkpointing.py keeps them in a manifest) can tell a damaged file before it loads anything.
+
+Every file is opened by `open_regular` ([Note: opening files that others made] in tiermem/io/files.py): a
+FIFO, device, directory or socket under a shard's name is refused without blocking, and an index may name
+only plain file names beside it. Symlinks are followed where the reader is made with `follow_links` (the
+default: the Hugging Face cache's snapshot folders are symlinks into its blob store), never by
+`load_checkpoint`, whose files tiermem wrote itself.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -28,7 +35,7 @@ from tiermem.device import check_host
 from tiermem.errors import CheckpointError
 from tiermem.io.buffers import ALIGN, AlignedBuffer
 from tiermem.io.engine import IOEngine
-from tiermem.io.files import IOFile
+from tiermem.io.files import IOFile, open_regular
 
 _NAMES = {}  # torch dtype -> safetensors name, filled below
 _DTYPES = {
@@ -38,6 +45,7 @@ _DTYPES = {
 }
 _NAMES.update({v: k for k, v in _DTYPES.items()})
 MAX_HEADER = 100 << 20
+MAX_JSON = 64 << 20  # the most read of an index (or of a checkpoint's other JSON files): megabytes at most
 CHUNK = 4 << 20  # bytes per read when checksumming a file
 
 
@@ -55,20 +63,28 @@ class Entry:
 class SafetensorsCheckpoint:
     """The tensor index of a safetensors file or sharded index, and reads of single tensors."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, follow_links: bool = True) -> None:
+        """`path`: a .safetensors file or a *.safetensors.index.json. Without `follow_links`, neither it nor a
+        shard may be a symbolic link (a checkpoint tiermem wrote)."""
         self.path = os.fspath(path)
-        if not os.path.exists(self.path):
+        if not os.path.lexists(self.path):
             raise CheckpointError(f"checkpoint {self.path} does not exist; pass the path of a .safetensors file "
                                   "or of a *.safetensors.index.json")
+        self.follow_links = follow_links  # whether the files may be symlinks (to regular files)
         self.entries: dict[str, Entry] = {}
         self.shards: dict[str, dict[str, Entry]] = {}  # file path -> the tensors its header lists
         self.header_crc32: dict[str, int] = {}  # file path -> CRC-32 of its length field and header
         self.metadata: dict[str, dict[str, str]] = {}  # file path -> its header's "__metadata__"
         if self.path.endswith(".json"):
-            index = _load_json(self.path)
+            index = _load_json(self.path, follow_links)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{self.path}: no 'weight_map' object; is this a safetensors index?")
+            bad = [f for f in weight_map.values() if not plain_name(f)]
+            if bad:  # before any shard is opened
+                raise CheckpointError(f"{self.path}: the weight_map names {bad[0]!r} as a shard; shards are named "
+                                      "by plain file names beside the index (no folders, no absolute paths). "
+                                      "The index is damaged or was made to read other files: use an intact copy")
             base = os.path.dirname(self.path)
             for shard in sorted(set(weight_map.values())):
                 self._read_header(os.path.join(base, shard))
@@ -84,7 +100,7 @@ class SafetensorsCheckpoint:
 
     def _read_header(self, path: str) -> None:
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb", opener=self._opener) as f:
                 raw = f.read(8)
                 if len(raw) != 8:
                     raise CheckpointError(f"{path}: too short to be a safetensors file")
@@ -103,9 +119,12 @@ class SafetensorsCheckpoint:
                 header = json.loads(raw_header)
                 size = os.fstat(f.fileno()).st_size
         except OSError as exc:
-            raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
+            raise unreadable_file(path, exc) from None
         except ValueError as exc:
             raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
+        except RecursionError:
+            raise CheckpointError(f"{path}: the safetensors header nests too deeply to be one; the file is "
+                                  "corrupt") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: the safetensors header is not a JSON object; the file is corrupt")
         self.header_crc32[path] = zlib.crc32(raw_header, zlib.crc32(raw))
@@ -162,7 +181,10 @@ class SafetensorsCheckpoint:
         temporary they were converted from)."""
         f = self._files.get(e.path)
         if f is None:
-            f = self._files[e.path] = IOFile(e.path, "r", direct=False)
+            try:
+                f = self._files[e.path] = IOFile(e.path, "r", regular=True, follow_links=self.follow_links)
+            except OSError as exc:
+                raise unreadable_file(e.path, exc) from None
         self.bytes_read += nbytes
         if target.dtype == e.dtype and target.is_contiguous():
             engine.read(f, target, offset, nbytes).wait()
@@ -182,7 +204,7 @@ class SafetensorsCheckpoint:
         buf = memoryview(bytearray(min(CHUNK, max((n for _, n, _, _ in spans), default=1)) or 1))
         out: dict[str, list[int]] = {}
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(path, "rb", buffering=0, opener=self._opener) as f:
                 for offset, nbytes, name, item in spans:
                     f.seek(offset)
                     step = -(-nbytes // item // parts) * item if parts > 1 else nbytes  # bytes of a rank's chunk
@@ -201,8 +223,12 @@ class SafetensorsCheckpoint:
                     with self._counting:
                         self.bytes_read += nbytes
         except OSError as exc:
-            raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
+            raise unreadable_file(path, exc) from None
         return out
+
+    def _opener(self, path: str, flags: int) -> int:
+        """For open(): every file read through `open_regular`."""
+        return open_regular(path, follow_links=self.follow_links)
 
     def close(self) -> None:
         for f in self._files.values():
@@ -217,14 +243,44 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return n
 
 
-def _load_json(path: str) -> object:
+def _load_json(path: str, follow_links: bool) -> object:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, "rb", opener=lambda p, _: open_regular(p, follow_links=follow_links)) as f:
+            raw = f.read(MAX_JSON + 1)
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+        raise unreadable_file(path, exc) from None
+    return parse_json(path, raw)
+
+
+def parse_json(path: str, raw: bytes) -> Any:
+    """`raw`, the bytes of the JSON file `path` (at most MAX_JSON + 1 of them read), parsed; CheckpointError
+    naming the file if it is larger than MAX_JSON, not JSON, or nested too deeply to parse."""
+    if len(raw) > MAX_JSON:
+        raise CheckpointError(f"{path}: more than {MAX_JSON >> 20} MiB, far more than any index or checkpoint JSON "
+                              "file holds; it is damaged or not one. Use an intact copy")
+    try:
+        return json.loads(raw)
     except ValueError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        raise CheckpointError(f"{path}: not valid JSON ({exc}); use an intact copy") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply to parse; no checkpoint file nests more than a few "
+                              "levels, so it is damaged. Use an intact copy") from None
+
+
+def plain_name(name: object) -> bool:
+    """Whether `name` is a file name alone: a string without a folder, not '.', '..' or empty, no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
+            and "\0" not in name)
+
+
+def unreadable_file(path: str, exc: OSError) -> CheckpointError:
+    """A file of a checkpoint that cannot be opened or read: what it is (a FIFO, a symlink, ...) or the error."""
+    if exc.errno in (errno.ELOOP, errno.EISDIR, errno.EINVAL, errno.ESTALE):  # from open_regular: what it is
+        fix = ("replace the link with the file it points to (cp --dereference), or use an intact copy"
+               if exc.errno == errno.ELOOP else "use an intact copy")
+        return CheckpointError(f"{path}: {exc.strerror}; every file of a checkpoint must be a regular file. Nothing "
+                               f"was read from it and nothing was loaded; {fix}")
+    return CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})")
 
 
 class _Staged:
@@ -279,16 +335,26 @@ class SafetensorsWriter(_Staged):
         self._next = 0
         self._engine = engine
         if engine is None:
-            self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
-            self._file.write(head)
+            try:
+                self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+            except OSError as exc:
+                raise _write_failed(path, exc) from exc
+            try:
+                self._file.write(head)
+            except OSError as exc:
+                self._file.close()
+                raise _write_failed(path, exc) from exc
             return
-        self._io: IOFile | None = IOFile(path, "w", direct=True)
+        self._io: IOFile | None = None  # the file, opened for the engine
         self._stages: list[AlignedBuffer] = []
         try:
+            self._io = IOFile(path, "w", direct=True)
             os.ftruncate(self._io.buffered_fd, 0)  # a file left by a killed save, if any
             self._stages = [AlignedBuffer(self.STAGE, huge_pages=False) for _ in range(2)]
-        except BaseException:
+        except BaseException as exc:
             self._release()
+            if isinstance(exc, OSError):  # a disk that failed or filled as the file began
+                raise _write_failed(path, exc) from exc
             raise
         self._writes: list[Any] = [None, None]  # each stage's write in flight
         self._stage, self._filled, self._at = 0, 0, 0  # the stage filling, its bytes, its offset in the file
@@ -407,7 +473,10 @@ class SafetensorsRangeWriter(_Staged):
         self.places = _header(specs)[1]  # tensor -> (offset in the file, bytes)
         self.bytes_written = 0
         self._engine = engine
-        self._io = IOFile(path, "w", direct=engine is not None)
+        try:
+            self._io = IOFile(path, "w", direct=engine is not None)
+        except OSError as exc:
+            raise _write_failed(path, exc) from exc
         self._fd = self._io.buffered_fd  # for the unaligned ends
         self._stages: list[AlignedBuffer] = []
         self._writes: list[Any] = [None, None]
@@ -497,7 +566,16 @@ _BLOCK = max(ALIGN, mmap.PAGESIZE)
 
 def _write_failed(path: str, exc: OSError) -> CheckpointError:
     return CheckpointError(f"{path}: writing failed ({exc.strerror or exc}); a checkpoint already at the path the "
-                           "save was given is left as it was. Free space on that drive, or save elsewhere")
+                           f"save was given is left as it was. {write_fix(exc)}")
+
+
+def write_fix(exc: OSError) -> str:
+    """What to do about a write that failed with `exc`."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "Free space on that drive, or save elsewhere"
+    if exc.errno == errno.EIO:
+        return "The drive failed or went away (see dmesg): check it, and save elsewhere meanwhile"
+    return "Check that the folder can be written, or save elsewhere"
 
 
 def _crc32(t: torch.Tensor) -> int:
