@@ -279,11 +279,11 @@ class OffloadHandle:
         if self.optimizer is None:
             loss.backward()
             return
-        self.optimizer.scaling_next_backward = True  # the backward's first hook notes it (`backward_began`)
+        self.optimizer.loss_scale.scaling_next = True  # the backward's first hook notes it (`backward_began`)
         try:
             self.optimizer.scale_loss(loss).backward()
         finally:
-            self.optimizer.scaling_next_backward = False
+            self.optimizer.loss_scale.scaling_next = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over every gradient, wherever it lives; returns the total norm."""

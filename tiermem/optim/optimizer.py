@@ -108,6 +108,7 @@ from tiermem.device import check_host
 from tiermem.distributed import Reducing, finish_scatter_sum, gather_unit, start_scatter_sum
 from tiermem.errors import OptimizerError
 from tiermem.interrupts import deferred_interrupts
+from tiermem.optim.loss_scale import LossScale
 from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
 from tiermem.swap import Layout, Partition, TensorSwapper, Tier, room_needed
@@ -404,19 +405,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.swapper = swapper
         self.mixed = mixed  # parameters are bf16/fp16: keep fp32 master weights in the state partition
         self._clip_scale: float | None = None  # clip_grad_norm_'s factor, applied to gradients at step
-        # dynamic loss scaling for float16 parameters, with torch.amp.GradScaler's defaults
-        self.loss_scaling = loss_scaling
-        self.scale = 2.0**16 if loss_scaling else 1.0  # the factor tm.backward multiplies the loss by
-        self.growth_factor, self.backoff_factor, self.growth_interval = 2.0, 0.5, 2000
-        self._good_steps = 0  # steps since the scale last changed
+        self.loss_scale = LossScale(loss_scaling)  # float16's dynamic loss scale (tiermem/optim/loss_scale.py)
         self.found_inf = False  # an inf/nan gradient arrived since zero_grad: the next step is skipped
         self._grads_agreed = True  # several ranks: every rank's has_grad is the union since the last gradients
-        self.skipped_steps = 0
-        # whether each backward since the last step had its loss scaled (tm.backward) or not (loss.backward()):
-        # gradients are divided by the scale only when it was applied (see `loss_scale_now`)
-        self.backward_scaled: list[bool] = []
-        self.scaling_next_backward = False  # set by tm.backward just before it calls backward
-        self._warned_unscaled = False
         # torch.amp.GradScaler's unscale_ of this step's gradients (see [Note: torch's loop helpers inside the
         # context] in tiermem/optim/loop_helpers.py): the factor the step multiplies them by; and whether
         # gradients are checked for inf/nan as they arrive (for the loss scale, tiermem's or GradScaler's)
@@ -857,17 +848,40 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def loss_scale_state(self) -> dict[str, float | int] | None:
         """The dynamic loss scale's state (float16 parameters), for checkpoints; None without loss scaling."""
-        if not self.loss_scaling:
-            return None
-        return {"scale": self.scale, "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
+        return self.loss_scale.state()
 
     def load_loss_scale_state(self, state: Any) -> None:
         """Put back what `loss_scale_state` returned (nothing to do for None or without loss scaling)."""
-        if not self.loss_scaling or not isinstance(state, dict):
-            return
-        self.scale = float(state.get("scale", self.scale))
-        self._good_steps = int(state.get("good_steps", 0))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.loss_scale.load_state(state)
+
+    # the loss scale as GradScaler's users read and set it (tm.optimizer.scale, .growth_interval, ...)
+    @property
+    def loss_scaling(self) -> bool:
+        return self.loss_scale.enabled
+
+    @property
+    def scale(self) -> float:
+        return self.loss_scale.value
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.loss_scale.value = value
+
+    @property
+    def growth_interval(self) -> int:
+        return self.loss_scale.growth_interval
+
+    @growth_interval.setter
+    def growth_interval(self, n: int) -> None:
+        self.loss_scale.growth_interval = n
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.loss_scale.skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, n: int) -> None:
+        self.loss_scale.skipped = n
 
     def has_state(self) -> bool:
         """Whether any step has been taken (there is optimizer state worth keeping)."""
@@ -889,7 +903,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             st.has_grad.clear()
         self._clip_scale = None
         self.found_inf = False
-        self.backward_scaled.clear()
+        self.loss_scale.forget_backwards()
         self.unscaled_by = 1.0
 
     def unscale_from(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
@@ -934,28 +948,11 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def backward_began(self) -> None:
         """A backward reached the model (the runtime's hook): note whether tm.backward scaled its loss."""
-        self.backward_scaled.append(self.scaling_next_backward)
-        self.scaling_next_backward = False
+        self.loss_scale.backward_began()
 
     def loss_scale_now(self) -> float:
-        """What this step's gradients carry of the loss scale: the scale when tm.backward applied it, 1 when
-        every backward was a plain loss.backward() (float16 gradients unscaled, which may underflow: a warning
-        says so once). Both in one step cannot be told apart in the sums: an error."""
-        if not self.loss_scaling:
-            return 1.0
-        scaled = self.backward_scaled
-        if all(scaled):
-            return self.scale
-        if any(scaled):
-            raise OptimizerError("params.dtype float16: this step's gradients come from backwards both with "
-                                 "tm.backward(loss) (loss scaled) and with loss.backward() (not), and their sum "
-                                 "cannot be unscaled; call tm.backward(loss) for every micro-batch")
-        if not self._warned_unscaled:
-            log.warning("params.dtype float16: loss.backward() was called without tm.backward(loss), so the loss "
-                        "was not scaled and small float16 gradients may underflow to zero; call tm.backward(loss) "
-                        "(the step divides by the scale only when it was applied)")
-            self._warned_unscaled = True
-        return 1.0
+        """What this step's gradients carry of the loss scale (`LossScale.now`)."""
+        return self.loss_scale.now()
 
     def _agree_grads(self) -> None:
         """With several ranks, a parameter has a gradient when any rank gave it one, as DDP (with
@@ -1017,8 +1014,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self.loss_scaling and self.units and self.units[0].unit.ranks.sharded:  # skip on every rank, or none
             self.found_inf = bool(self.units[0].unit.ranks.all_reduce(torch.tensor([float(self.found_inf)]), "max")[0])
         scale = self.loss_scale_now()
-        applied = self.loss_scaling and all(self.backward_scaled)  # tm.backward scaled this step's losses
-        self.backward_scaled.clear()
+        applied = self.loss_scale.applied()  # tm.backward scaled this step's losses
+        self.loss_scale.forget_backwards()
         # a fused optimizer under GradScaler is given its scale and inf flag as attributes, as torch's fused
         # kernels take them (see [Note: torch's loop helpers inside the context])
         given_scale = self.original.__dict__.get("grad_scale")
@@ -1031,10 +1028,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         scale /= self.unscaled_by
         self.unscaled_by = 1.0
         if self.loss_scaling and self.found_inf:  # as GradScaler: skip the step, lower the scale
-            if applied:
-                self.scale *= self.backoff_factor
-                self._good_steps = 0
-            self.skipped_steps += 1
+            self.loss_scale.update(True, applied)
             self._clip_scale = None
             log.info("inf/nan gradients: step skipped, loss scale now %g", self.scale)
             return loss
@@ -1049,16 +1043,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         else:
             self._update_many([(st, settings, frozenset(st.has_grad)) for st in todo])
         self._clip_scale = None
-        if applied:
-            self._good_steps += 1
-            if self._good_steps == self.growth_interval:
-                self.scale *= self.growth_factor
-                self._good_steps = 0
+        self.loss_scale.update(False, applied)
         return loss
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the dynamic loss scale for float16, else itself."""
-        return loss * self.scale if self.loss_scaling else loss
+        return self.loss_scale.scale_loss(loss)
 
     def _apply_to_kept_grads(self) -> None:
         """Apply the recorded updates of units whose gradients were kept since (no zero_grad, no forward):
