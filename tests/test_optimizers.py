@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from tests.test_training import batches, cfg, compare, loss_fn, mlp, run_steps, two_groups
+from tests.test_training import batches, cfg, compare, manual_mixed_precision, mlp, run_steps, two_groups
 from tiermem import OffloadError, tiered_offload
 from tiermem.errors import OptimizerError
 from tiermem.optim import SUPPORTED_OPTIMIZERS
@@ -201,21 +201,7 @@ def test_a_per_parameter_optimizer_steps_fp32_masters_of_bfloat16_params(tmp_pat
     same optimizer in memory on fp32 copies of the parameters; losses and weights bit-exact."""
     data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(4)]
     make = PER_PARAMETER[name][1]
-    ref = mlp().bfloat16()
-    master = nn.ParameterList([nn.Parameter(p.detach().float().clone()) for p in ref.parameters()])
-    ref_opt = make(master)
-    ref_losses = []
-    for x, y in data:
-        with torch.no_grad():
-            for p, m in zip(ref.parameters(), master, strict=True):
-                p.copy_(m)
-        ref.zero_grad()
-        loss = loss_fn(ref, x, y)
-        loss.backward()
-        for p, m in zip(ref.parameters(), master, strict=True):
-            m.grad = p.grad.float()
-        ref_opt.step()
-        ref_losses.append(float(loss.detach()))
+    ref_losses, master = manual_mixed_precision(lambda ps: make(nn.ParameterList(ps)), data)
     model = mlp()
     with tiered_offload(model, optimizer=make(model), **cfg(tmp_path, **{"params.dtype": "bfloat16",
                                                                          "optimizer.update": update})) as tm:

@@ -262,19 +262,15 @@ MIXED_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
-@pytest.mark.parametrize("update", ["lazy", "step"])
-@pytest.mark.parametrize("kind", list(MIXED_OPTIMIZERS))
-def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path, update: str, kind: str) -> None:
-    """params.dtype bfloat16 trains 20 steps like the textbook recipe: bf16 compute, fp32 grads and master, the
-    optimizer on the master weights (AdamW; RMSprop and NAdam, whose state and scalars differ).
-
-    The master weights start from the parameters as stored (cast to bfloat16), as when training a bf16 model.
-    """
-    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(20)]
+def manual_mixed_precision(make: Callable[[Any], torch.optim.Optimizer], data: list[tuple[torch.Tensor, torch.Tensor]]
+                           ) -> tuple[list[float], list[nn.Parameter]]:
+    """The textbook recipe in memory: a bfloat16 mlp() computes, `make`'s optimizer steps float32 copies of its
+    parameters (the masters) with its gradients in float32, and the copies go back into it before each step's
+    forward. The losses, and the masters at the end."""
     ref = mlp().bfloat16()
-    master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
-    ref_opt = MIXED_OPTIMIZERS[kind](master)
-    ref_losses = []
+    master = [nn.Parameter(p.detach().float().clone()) for p in ref.parameters()]
+    opt = make(master)
+    losses = []
     for x, y in data:
         with torch.no_grad():
             for p, m in zip(ref.parameters(), master, strict=True):
@@ -284,8 +280,21 @@ def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path,
         loss.backward()
         for p, m in zip(ref.parameters(), master, strict=True):
             m.grad = p.grad.float()
-        ref_opt.step()
-        ref_losses.append(float(loss.detach()))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, master
+
+
+@pytest.mark.parametrize("update", ["lazy", "step"])
+@pytest.mark.parametrize("kind", list(MIXED_OPTIMIZERS))
+def test_bfloat16_params_with_fp32_master_equal_manual_mixed_precision(tmp_path, update: str, kind: str) -> None:
+    """params.dtype bfloat16 trains 20 steps like the textbook recipe: bf16 compute, fp32 grads and master, the
+    optimizer on the master weights (AdamW; RMSprop and NAdam, whose state and scalars differ).
+
+    The master weights start from the parameters as stored (cast to bfloat16), as when training a bf16 model.
+    """
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(20)]
+    ref_losses, master = manual_mixed_precision(MIXED_OPTIMIZERS[kind], data)
     model = mlp()
     opt = MIXED_OPTIMIZERS[kind](model.parameters())
     with tiered_offload(model, optimizer=opt, **cfg(tmp_path, **{"params.dtype": "bfloat16",
