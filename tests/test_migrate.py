@@ -93,12 +93,13 @@ TWO_DRIVES = {
 
 def test_zero_infinity_maps_tiers_paths_io_and_limits_and_warns_for_the_rest() -> None:
     """Both offloads on NVMe become the nvme tiers on the one drive; aio's request size and depth become io.*;
-    the prefetch bucket and live-parameter limits become bytes (fp16: 2 per element); every key with no
+    the prefetch bucket (below the live-parameter limit) becomes prefetch.max_bytes (fp16: 2 per element), the
+    live limit no device budget (DeepSpeed fetches the computing unit whatever it says); every key with no
     equivalent, and every loop setting, gets one warning that says what happens instead."""
     out, warnings = from_deepspeed(INFINITY)
     assert out == {"params.dtype": "float16", "params.tier": "nvme", "optimizer.tier": "nvme",
                    "nvme.paths": ["/local_nvme"], "prefetch.max_bytes": 100_000_000,
-                   "memory.device_budget": 2_000_000_000, "io.block_size": 1 << 20, "io.queue_depth": 8}
+                   "io.block_size": 1 << 20, "io.queue_depth": 8}
     cfg = load_config(None, **out)  # a valid swap-config
     assert cfg.nvme.paths == ("/local_nvme",) and cfg.io.queue_depth == 8
     text = "\n".join(warnings)
@@ -153,10 +154,11 @@ def test_what_is_not_a_deepspeed_config_is_refused(bad: object) -> None:
 
 def test_hf_trainer_autos_are_unset_with_one_warning_each_and_fp16_auto_is_not_enabled() -> None:
     """HF Trainer's zero3 config converts: "auto" is unset (fp16/bf16 "auto" leave params.dtype alone, so the
-    live-parameter limit counts 4 bytes per element), each "auto" key gets one warning saying it is the
-    Trainer's and what tiermem does, and each fp16 loss-scaling key one warning on tiermem's dynamic scaling."""
+    live-parameter limit, which caps the read-ahead, counts 4 bytes per element), each "auto" key gets one
+    warning saying it is the Trainer's and what tiermem does, and each fp16 loss-scaling key one warning on
+    tiermem's dynamic scaling."""
     out, warnings = from_deepspeed(HF_ZERO3)
-    assert out == {"params.tier": "cpu", "optimizer.tier": "cpu", "memory.device_budget": 4_000_000_000}
+    assert out == {"params.tier": "cpu", "optimizer.tier": "cpu", "prefetch.max_bytes": 4_000_000_000}
     load_config(None, **out)
     for key in ("fp16.enabled", "bf16.enabled", "zero_optimization.stage3_prefetch_bucket_size",
                 "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
@@ -261,8 +263,7 @@ def test_transformers_test_config_maps_prefetch_bucket_zero_to_no_prefetching(tm
     prefetch.max_bytes 0, refused by tiermem); every unmapped key gets exactly one warning, the old gather flag
     among them (before: "not known")."""
     out, warnings = from_deepspeed(TRANSFORMERS_ZERO3)
-    assert out == {"params.tier": "cpu", "optimizer.tier": "cpu", "prefetch.depth": 0,
-                   "memory.device_budget": 4_000_000_000}
+    assert out == {"params.tier": "cpu", "optimizer.tier": "cpu", "prefetch.depth": 0}
     cfg = load_config(None, **out)
     assert cfg.prefetch.depth == 0 and cfg.prefetch.max_bytes is None
     keys = [w.split(":")[0] for w in warnings]
@@ -289,7 +290,7 @@ def test_a_prefetch_bucket_above_the_live_limit_is_capped_as_deepspeed_caps_it()
     ds = {"bf16": {"enabled": True},
           "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e8, "stage3_max_live_parameters": 1e8}}
     out, warnings = from_deepspeed(ds)
-    assert out["prefetch.max_bytes"] == out["memory.device_budget"] == 200_000_000
+    assert out["prefetch.max_bytes"] == 200_000_000 and "memory.device_budget" not in out
     assert load_config(None, **out).prefetch.max_bytes == 200_000_000
     assert [w.split(":")[0] for w in warnings] == ["zero_optimization.stage3_prefetch_bucket_size"]
     out, _ = from_deepspeed({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0}})

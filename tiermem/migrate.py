@@ -63,8 +63,8 @@ _AUTO = {
     "bfloat16.enabled": "params.dtype is left unset (each parameter keeps its own dtype); set params.dtype: bfloat16",
     "zero_optimization.stage3_prefetch_bucket_size": "prefetch.max_bytes is left unset: the read-ahead is bounded "
                                                      "by prefetch.depth units and memory.device_budget",
-    "zero_optimization.stage3_max_live_parameters": "memory.device_budget is left unset: the device holds what "
-                                                    "the prefetch window needs",
+    "zero_optimization.stage3_max_live_parameters": "the read-ahead is not capped by it: prefetch.depth units "
+                                                    "and memory.device_budget bound it",
     "aio.block_size": "io.block_size keeps its default (1MiB); tiermem tune measures the best",
     "aio.queue_depth": "io.queue_depth keeps its default (32); tiermem tune measures the best",
 }
@@ -344,8 +344,9 @@ def _prefetch(zero: Mapping[str, Any], width: int, out: dict[str, Any], source: 
     """Map stage3_prefetch_bucket_size and stage3_max_live_parameters as DeepSpeed reads them.
 
     DeepSpeed prefetches at most min(bucket, live - parameters already on the device) elements, and none when
-    either is 0; the unit computing is fetched in any case. So 0 in either is prefetch.depth 0, the bucket
-    becomes prefetch.max_bytes capped at the live limit, and the live limit memory.device_budget."""
+    either is 0; the unit computing is fetched in any case, whatever the live limit. So 0 in either is
+    prefetch.depth 0, and prefetch.max_bytes is the smaller of the two in bytes; the live limit is not a
+    memory.device_budget, which would refuse a unit larger than it."""
     bucket_key, live_key = "stage3_prefetch_bucket_size", "stage3_max_live_parameters"
     bucket = _count(zero, bucket_key, warnings)
     live = _count(zero, live_key, warnings)
@@ -356,12 +357,9 @@ def _prefetch(zero: Mapping[str, Any], width: int, out: dict[str, Any], source: 
         warnings.append(f"zero_optimization.{bucket_key}: {bucket} is more than {live_key} {live}, which "
                         f"bounds DeepSpeed's prefetch as well: prefetch.max_bytes is set from {live}")
         bucket = live
-    if bucket:
-        out["prefetch.max_bytes"] = bucket * width
-        source["prefetch.max_bytes"] = f"zero_optimization.{bucket_key}"
-    if live:
-        out["memory.device_budget"] = live * width
-        source["memory.device_budget"] = f"zero_optimization.{live_key}"
+    if (bucket or live) and out.get("prefetch.depth") != 0:
+        out["prefetch.max_bytes"] = (bucket or live or 0) * width
+        source["prefetch.max_bytes"] = f"zero_optimization.{bucket_key if bucket else live_key}"
 
 
 def _count(zero: Mapping[str, Any], key: str, warnings: list[str]) -> int | None:
