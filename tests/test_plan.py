@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import time
 from typing import Any
@@ -246,6 +248,88 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path, capsys, argv: list[str], n
     assert named.format(tmp=tmp_path) in err and len(err.splitlines()) == 1
     assert main(["plan", str(tmp_path / "nope.yaml"), "--hf-config", str(tmp_path / "config.json")]) == 2
     assert "nope.yaml" in capsys.readouterr().err
+
+
+def _hf(tmp_path, **changes: Any) -> str:
+    """A small GPT-2's config.json with `changes` (None removes a key); JSON's Infinity for float("inf")."""
+    raw = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 32, "n_head": 2,
+           "vocab_size": 100, "n_positions": 64}
+    raw.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    return str(tmp_path / "config.json")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("changes, named", [
+    ({"architectures": 5}, "architectures: expected a list of model class names, got 5"),
+    ({"architectures": ["AutoConfig"]}, "architectures: 'AutoConfig' is not a model class of transformers"),
+    ({"architectures": ["logging"]}, "architectures: 'logging' is not a model class of transformers"),
+    ({"n_embd": 0}, "n_embd: expected an integer from 1 to 16777216, got 0"),
+    ({"n_embd": -64}, "n_embd: expected an integer from 1 to 16777216, got -64"),
+    ({"n_embd": float("inf")}, "n_embd: expected an integer from 1 to 16777216, got inf"),
+    ({"n_embd": "64"}, "n_embd: expected an integer from 1 to 16777216, got '64'"),
+    ({"n_embd": 10**30}, "n_embd: expected an integer from 1 to 16777216, got 1000000000000000000000000000000"),
+    ({"vocab_size": 0}, "vocab_size: expected an integer from 1 to 16777216, got 0"),
+    ({"n_head": 2.5}, "n_head: expected an integer from 1 to 16777216, got 2.5"),
+    ({"n_layer": 10_000_000}, "n_layer: expected an integer from 1 to 512 (the planner builds every layer"),
+    ({"n_layer": -1}, "n_layer: expected an integer from 1 to 512"),
+    ({"text_config": {"num_hidden_layers": 0}}, "text_config.num_hidden_layers: expected an integer from 1 to 512"),
+    ({"n_head": 3}, "transformers cannot build the model from it (ValueError: `embed_dim` must be divisible by "
+                    "num_heads"),
+    ({"layer_norm_epsilon": "small"}, "transformers cannot build a config from it (StrictDataclassFieldValidation"),
+], ids=["architectures-5", "AutoConfig", "logging", "width-0", "width-negative", "width-inf", "width-string",
+        "width-overflow", "vocab-0", "heads-float", "ten-million-layers", "layers-negative", "nested-layers-0",
+        "heads-not-dividing", "epsilon-string"])
+def test_cli_hf_config_bad_sizes_and_architectures_are_one_line_errors(tmp_path, capsys, changes: dict,
+                                                                       named: str) -> None:
+    """`tiermem plan --hf-config` with architectures that are not model class names, sizes that are 0,
+    negative, infinite, strings or overflow, n_layer 10,000,000 or -1 exits 2 at once with one line naming the
+    key (before: tracebacks from calling AutoConfig or the logging module, torch's shape errors, ten million
+    blocks built for minutes, and n_layer -1 planned)."""
+    config, _ = _files(tmp_path, models.llama(), "device: cpu\n")
+    hf = _hf(tmp_path, **changes)
+    began = time.monotonic()
+    assert main(["plan", config, "--hf-config", hf]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tiermem: error: --hf-config {hf}: ") and named in err, err[:400]
+    assert len(err.strip().splitlines()) == 1 and time.monotonic() - began < 30
+
+
+@pytest.mark.timeout(60)
+def test_cli_hf_config_that_is_not_a_config_file_is_one_line(tmp_path, capsys) -> None:
+    """--hf-config /dev/zero or JSON nested 100,000 deep exits 2 with one line (before: 'does not exist', and
+    a RecursionError traceback)."""
+    config, _ = _files(tmp_path, models.llama(), "device: cpu\n")
+    (tmp_path / "deep.json").write_text('{"model_type": "gpt2", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    for hf, named in (("/dev/zero", "is not a regular file"),
+                      (str(tmp_path / "deep.json"), "JSON nested deeper than Python's reader follows")):
+        assert main(["plan", config, "--hf-config", hf]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tiermem: error: --hf-config {hf}: {named}") and len(err.splitlines()) == 1, err
+
+
+def test_cli_hf_config_names_that_are_not_transformers_classes_fall_back_to_model_type(tmp_path, capsys) -> None:
+    """An architectures name this transformers lacks (a model with remote code) or a private attribute plans
+    model_type's causal-LM class, calling nothing else."""
+    config, _ = _files(tmp_path, models.llama(), "device: cpu\n")
+    for names in (["MyRemoteModelForCausalLM"], ["__class__"], None):
+        assert main(["plan", config, "--hf-config", _hf(tmp_path, architectures=names), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["largest_unit"]
+
+
+def test_the_advised_host_budget_figure_is_rounded_up_so_that_it_works(tmp_path) -> None:
+    """At memory.host_budget 24MiB, a model that needs a little more is told a figure above 24 MiB (before:
+    "raise memory.host_budget to at least 24 MiB", the budget it had; 24.5 worked), and that figure fits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(1024, 1024), nn.Tanh())])
+    opt = torch.optim.AdamW(model.parameters())
+    p = plan(model, optimizer=opt, **cfg(tmp_path, "24MiB"))
+    assert not p.fits
+    fix = next(f for f in p.fixes if f.key == "memory.host_budget")
+    figure = re.search(r"raise memory\.host_budget to at least ([0-9.]+) MiB ", fix.text)
+    assert figure is not None, fix.text
+    assert float(figure.group(1)) > 24, fix.text
+    assert plan(model, optimizer=opt, **cfg(tmp_path, str(math.ceil(float(figure.group(1)) * 2**20)))).fits
 
 
 def test_step_time_bound_holds_against_a_measured_step(tmp_path, monkeypatch, capsys) -> None:

@@ -112,7 +112,7 @@ from tiermem.optim import SUPPORTED_OPTIMIZERS, TieredOptimizer, unsupported
 from tiermem.optim.optimizer import own_attributes
 from tiermem.runtime.schedule import Schedule, plan_resident
 from tiermem.runtime.wrap import WrapPlan, dtype_of, plan_units
-from tiermem.sizes import format_size, parse_size
+from tiermem.sizes import format_size, format_size_up, parse_size
 from tiermem.store import StripeLayout
 from tiermem.swap import Layout, Tier
 from tiermem.swap.transfers import make_mover
@@ -505,7 +505,7 @@ def plan(model: nn.Module, config: Config | Mapping[str, Any] | str | os.PathLik
                   else fixed + 2 * largest + window + expanded)  # as Runtime derives it
     if cfg.memory.device_budget is not None and largest > cfg.memory.device_budget:
         fixes.append(Fix("memory.device_budget", _size_value(largest),
-                         f"raise memory.device_budget to at least {format_size(largest)} "
+                         f"raise memory.device_budget to at least {format_size_up(largest)} "
                          f"(memory.device_budget: {_size_value(largest)}), or use smaller units (wrap.classes)",
                          f"the largest unit needs {format_size(largest)} on the device"))
 
@@ -643,7 +643,7 @@ def _strongest(fixes: list[Fix]) -> list[Fix]:
 
 def _host_fix(need: int, problem: str) -> Fix:
     value = _size_value(need)
-    return Fix("memory.host_budget", value, f"raise memory.host_budget to at least {format_size(need)} "
+    return Fix("memory.host_budget", value, f"raise memory.host_budget to at least {format_size_up(need)} "
                f"(memory.host_budget: {value}), or move tiers to nvme", problem)
 
 
@@ -1175,7 +1175,7 @@ def _kv_fix(store: Any, layer: Any, longest: int, exc: BudgetError, activations:
         room, _ = store._room(held)
         need = store.swapper.partition_budget + 2 * size - room + activations
         value = _size_value(need)
-        return Fix("memory.host_budget", value, f"raise memory.host_budget to at least {format_size(need)} "
+        return Fix("memory.host_budget", value, f"raise memory.host_budget to at least {format_size_up(need)} "
                    f"(memory.host_budget: {value}) for blocks of {wanted} tokens; no smaller kv.block_tokens fits "
                    "under this budget; or lower the batch", problem)
     size = Layout.of(layer.block_spec()).size
@@ -1185,7 +1185,7 @@ def _kv_fix(store: Any, layer: Any, longest: int, exc: BudgetError, activations:
     # GPT-2 and a Llama over 21 shapes needed one or two blocks more than the bytes to run (never none)
     need = store.swapper.partition_budget - room + blocks + 2 * size + activations
     value = _size_value(need)
-    return Fix("memory.host_budget", value, f"raise memory.host_budget to at least {format_size(need)} "
+    return Fix("memory.host_budget", value, f"raise memory.host_budget to at least {format_size_up(need)} "
                f"(memory.host_budget: {value}), or set kv.tier: auto to home the blocks past it on NVMe "
                f"({len(store.layers)} layers of {-(-longest // wanted)} blocks of {format_size(size)})", problem)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import reprlib
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -114,3 +115,20 @@ def format_size(nbytes: float) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_size_up(nbytes: int) -> str:
+    """`nbytes` in binary units like `format_size`, but rounded up (and without exponents): the figure is never
+    less than `nbytes`, so advice such as "raise memory.host_budget to at least 24.1 MiB" names a value that
+    works. ``format_size_up(24 * 2**20 + 1)`` is ``24.1 MiB`` where `format_size` says ``24 MiB``."""
+    if nbytes < 1024:
+        return f"{max(0, math.ceil(nbytes))} B"
+    value = Fraction(math.ceil(nbytes))
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    decimals = max(0, 3 - len(str(int(value))))  # three significant digits, or the whole number above 999
+    scaled = math.ceil(value * 10**decimals)
+    text = f"{scaled / 10**decimals:.{decimals}f}"
+    return f"{text.rstrip('0').rstrip('.') if decimals else text} {unit}"
