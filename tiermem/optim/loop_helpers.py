@@ -99,7 +99,8 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
     torch's loop helpers inside the context])."""
     given, tm = _split(parameters)
     if tm is None:
-        return _TORCH["clip_grad_norm_"](given, max_norm, norm_type, error_if_nonfinite, foreach)
+        norm: torch.Tensor = _TORCH["clip_grad_norm_"](given, max_norm, norm_type, error_if_nonfinite, foreach)
+        return norm
     return _clip_in_tiers(tm, given, max_norm, norm_type, error_if_nonfinite)
 
 
@@ -107,7 +108,8 @@ def _get_total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bo
                     foreach: bool | None = None) -> torch.Tensor:
     """torch's, noting the norm type for `_clip_grads` (torch's clip_grad_norm_ calls the two in turn)."""
     _norm_type[0] = float(norm_type)
-    return _TORCH["_get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
+    norm: torch.Tensor = _TORCH["_get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
+    return norm
 
 
 def _clip_grads(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:
@@ -117,7 +119,8 @@ def _clip_grads(parameters: Any, max_norm: float, total_norm: torch.Tensor, fore
     caller returns it."""
     given, tm = _split(parameters)
     if tm is None:
-        return _TORCH["_clip_grads_with_norm_"](given, max_norm, total_norm, foreach)
+        _TORCH["_clip_grads_with_norm_"](given, max_norm, total_norm, foreach)
+        return
     total_norm.copy_(_clip_in_tiers(tm, given, max_norm, _norm_type[0], False))
 
 
@@ -133,7 +136,7 @@ def _clip_in_tiers(tm: Any, given: list[Any], max_norm: float, norm_type: float,
             f"torch.nn.utils.clip_grad_norm_: given {len(mine)} of the {len(trainable)} trainable parameters of the "
             f"{type(tm.model).__name__} under tiered_offload{besides}; its gradients live in its tiers and are "
             "clipped for the whole model at once: pass model.parameters(), or call tm.clip_grad_norm_(max_norm)")
-    total = tm.clip_grad_norm_(max_norm, norm_type)
+    total: torch.Tensor = tm.clip_grad_norm_(max_norm, norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                            "non-finite, so it cannot be clipped. To disable this error and scale the gradients by "
@@ -158,7 +161,9 @@ def _unscale_grads_(scaler: GradScaler, optimizer: Any, inv_scale: torch.Tensor,
     loop helpers inside the context])."""
     tm = _optimizers.get(id(optimizer))
     if tm is None:
-        return _TORCH["_unscale_grads_"](scaler, optimizer, inv_scale, found_inf, allow_fp16)
+        per_device: dict[torch.device, torch.Tensor] = _TORCH["_unscale_grads_"](scaler, optimizer, inv_scale,
+                                                                                 found_inf, allow_fp16)
+        return per_device
     return {found_inf.device: tm.optimizer.unscale_from(inv_scale, found_inf)}
 
 

@@ -236,7 +236,7 @@ def _shell(kind: Any, attrs: Mapping[str, Any], groups: list[dict[str, Any]],
     """An instance of `kind` with the user's instance's attributes (`own_attributes`: its constructor's settings
     that no param group holds, such as bitsandbytes' min_8bit_size) but these param groups and this state; no
     constructor runs, so it allocates nothing."""
-    opt = object.__new__(kind)
+    opt: torch.optim.Optimizer = object.__new__(kind)
     opt.__dict__.update(attrs)
     opt.state = defaultdict(dict, state or {})
     opt.param_groups = groups
@@ -544,7 +544,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         probed = self.__dict__.setdefault("_probed", {})
         if key not in probed:
             probed[key] = _probe_param(self.kind, self.attrs, settings, tuple(shape))
-        return probed[key]
+        kept: ParamState = probed[key]
+        return kept
 
     def state_kinds(self) -> list[str]:
         """The kinds of state kept per parameter, in the order of the state partition's slots: what the optimizer
@@ -1271,7 +1272,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _scratch(self, settings: dict[str, Any], p: torch.Tensor) -> torch.optim.Optimizer:
         """An instance of the user's optimizer class that steps one range at a time, made once."""
-        opt = self.__dict__.get("_scratch_opt")
+        opt: torch.optim.Optimizer | None = self.__dict__.get("_scratch_opt")
         if opt is None:
             opt = self.__dict__["_scratch_opt"] = self.kind([{**settings, "params": [p]}])
             opt.state.clear()  # Adagrad makes state in its constructor: the caller puts the range's there
@@ -1283,9 +1284,9 @@ class TieredOptimizer(torch.optim.Optimizer):
     def param_groups(self) -> list[dict[str, Any]]:
         """The original optimizer's, looked up at each use: lr changes and schedulers act on both, also after
         something gave the original new group dicts (torch's load_state_dict does)."""
-        if "original" in self.__dict__:
-            return self.original.param_groups
-        return self.__dict__["_groups"]  # torch's __init__ builds them before `original` is set
+        groups: list[dict[str, Any]] = (self.original.param_groups if "original" in self.__dict__
+                                        else self.__dict__["_groups"])  # torch's __init__ builds them before it
+        return groups
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:

@@ -105,7 +105,7 @@ class TieredLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, store: KVStore, group: _Group, index: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # transformers cache layer, untyped
         self.store = store
         self.group = group  # the cache this layer belongs to
         self.index = index  # its place in the cache, for messages

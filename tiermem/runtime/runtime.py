@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ from tiermem.swap import Partition, TensorSwapper, Tier
 from tiermem.trace import Tracer
 
 log = logging.getLogger(__name__)
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])  # a hook torch.compiler.disable wraps, as it was
 
 
 class _SavedParam:
@@ -194,7 +196,7 @@ class Runtime:
         The saved-tensor hooks stay outside any graph: AOTAutograd's compiled functions save through them as
         eager autograd does, so parameters and activations leave the device between forward and backward alike.
         """
-        eager = torch.compiler.disable
+        eager: Callable[[_Hook], _Hook] = torch.compiler.disable
         self.handles.append(self.model.register_forward_pre_hook(eager(self._pass_begin)))
         self.handles.append(self.model.register_forward_hook(eager(self._pass_end), always_call=True))
         for module, indices in self.needs.items():
@@ -268,7 +270,7 @@ class Runtime:
         if not isinstance(saved, _SavedParam):
             if isinstance(saved, _SavedActivation):
                 return saved.store.unpack(saved)
-            return saved
+            return saved  # type: ignore[no-any-return]  # what autograd saved that is not ours, as it was
         self._end_brief_holds()
         i, p = saved.unit, saved.param
         if self._bwd_done.get(i) == -1 or not self._trainable_count.get(i, 0):
