@@ -110,7 +110,7 @@ from tiermem.errors import OptimizerError
 from tiermem.interrupts import deferred_interrupts
 from tiermem.optim.loss_scale import LossScale
 from tiermem.runtime.unit import Unit
-from tiermem.sizes import format_size
+from tiermem.sizes import format_size, format_size_up
 from tiermem.swap import Layout, Partition, TensorSwapper, Tier, room_needed
 from tiermem.trace import Tracer
 
@@ -519,7 +519,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 f"{format_size(permanent)} stays in host memory for good (the tiers set to cpu) and a unit's step "
                 f"needs {format_size(working)} more for its parameters, gradients and optimizer state (with room "
                 "for the pieces in use to split the free memory). Raise memory.host_budget to at least "
-                f"{format_size(working + permanent + cfg.activations.host_bytes)}, move tiers to nvme, or "
+                f"{format_size_up(working + permanent + cfg.activations.host_bytes)}, move tiers to nvme, or "
                 "use smaller units (wrap.classes)"
             )
 
