@@ -1051,7 +1051,7 @@ def _polled_wait_sees_a_failed_rank(rank: int, world: int, folder: Path) -> None
     work = dist.all_reduce(flag, async_op=True)
     t0 = time.monotonic()
     with pytest.raises(RanksError, match="rank 1 failed and left the collective: ValueError: rank 1 failed"):
-        ranks._poll(work, "an all-reduce")
+        ranks._poll(work, "an all-reduce", *ranks._began_waiting())
     (folder / "done0").write_text(f"{time.monotonic() - t0:.2f}")
 
 
