@@ -563,6 +563,23 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
         an OffloadHandle (`tm`): ``stats()``, ``reset_stats()``, ``gathered()``, and for training
         ``optimizer``, ``backward(loss)``, ``clip_grad_norm_()``, ``save_checkpoint()``, ``load_checkpoint()``.
     """
+    _check_model(model, optimizer)
+    entry = _Entry(model, optimizer, restore=restore, restore_optimizer=restore_optimizer)
+    entry.settle(config, overrides, process_group)
+    try:
+        entry.open(engine)
+        handle = entry.place(checkpoint, prefetch, init_missing, init_seed)
+        entry.attach()
+        try:
+            yield handle
+        except BaseException as exc:
+            raise entry.left_on(exc)  # noqa: B904 - it is `exc` itself, or an error naming it as its cause
+    finally:
+        entry.leave()
+
+
+def _check_model(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Refuse, before anything is made, a model or optimizer tiered_offload cannot take, naming the fix."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise OffloadError(f"{type(model).__name__}: tiered_offload was given the DDP wrapper; pass the model "
                            "itself, tiered_offload(ddp.module, ...), and go on calling the wrapper (inside the context "
@@ -578,67 +595,108 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
     refused = unsupported(optimizer) or _refused_weights(model)
     if refused is not None:
         raise OffloadError(refused)
-    ranks = Ranks.of(process_group).for_entry()
-    raised = False  # the with-block raised: with several ranks, exit cannot count on the others to gather
-    config = _rank_paths(load_config(config, **overrides), ranks)
-    _report_old_rescues(config, ranks)
-    ranks = ranks.on_device(make_mover(resolve_device(config.device)))  # see [Note: collectives on NCCL]
-    # before the swapper: with nvme, the activations' buffer is carved out of the host pool it makes
-    config, activations_why = _choose_activations_tier(config, model, optimizer, ranks)
-    config, weights_why = choose_path_weights(config)
-    _check_storage(config, optimizer, restore, ranks)
-    swapper = TensorSwapper(config, engine=engine)
-    swapper.defer_registration = True  # until the parameters are in their partitions (_place_model registers the pool)
-    if ranks.sharded:
-        try:
+
+
+class _Entry:
+    """Entering tiered_offload and leaving it, as named steps. In: `settle` (the ranks, and the config with its
+    `auto` values settled), `open` (the swap and tiermem's CPU allocator), `place` (the model into its units:
+    from here on, leaving gives the parameters back), `attach` (what makes the model's and the user's code act
+    on the tiers). Out, in `leave`: the recorded updates applied, then `detach`, `give_back` and `close`, each
+    undoing one step of the way in, each run whatever the one before it raised."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, restore: bool,
+                 restore_optimizer: bool) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.restore, self.restore_optimizer = restore, restore_optimizer
+        self.ranks = Ranks()
+        self.config = Config()
+        self.whys = ("activations.tier", "nvme.path_weights")  # why auto settled as it did
+        self.swapper: TensorSwapper | None = None
+        self.allocator = ExitStack()
+        self.handle: OffloadHandle | None = None
+        self.patched: dict[str, Any] = {}  # the optimizer's methods `attach` replaced
+        self.zero_grads: dict[nn.Module, Any] | None = None  # the modules' own zero_grad `attach` replaced
+        self.state_hooks: list[Any] = []
+        self.own_load: Any = None  # a load_state_dict set on the model before entry
+        self.raised = False  # the with-block raised: with several ranks, leaving cannot count on the others
+
+    # -- in ---------------------------------------------------------------------------------------------
+    def settle(self, config: Config | Mapping[str, Any] | str | os.PathLike[str] | None, overrides: Mapping[str, Any],
+               process_group: Any) -> None:
+        """The ranks of this entry, and the config as it will run: the ranks' paths, the compute device's mover
+        for the collectives ([Note: collectives on NCCL]), `auto` settled (activations.tier before the swapper:
+        with nvme, the activations' buffer is carved out of the host pool it makes; nvme.path_weights), and the
+        storage checked."""
+        ranks = Ranks.of(process_group).for_entry()
+        cfg = _rank_paths(load_config(config, **overrides), ranks)
+        _report_old_rescues(cfg, ranks)
+        ranks = ranks.on_device(make_mover(resolve_device(cfg.device)))
+        cfg, activations_why = _choose_activations_tier(cfg, self.model, self.optimizer, ranks)
+        cfg, weights_why = choose_path_weights(cfg)
+        _check_storage(cfg, self.optimizer, self.restore, ranks)
+        self.ranks, self.config, self.whys = ranks, cfg, (activations_why, weights_why)
+
+    def open(self, engine: IOEngine | None) -> None:
+        """The swap (its pool registered once the parameters are in their partitions), the ranks' agreement on
+        the config and the model, and tiermem's CPU allocator, before the model is placed so the compute's
+        tensors from the first step on use it (tiermem/cpu_allocator.py)."""
+        swapper = self.swapper = TensorSwapper(self.config, engine=engine)
+        swapper.defer_registration = True  # until the parameters are in their partitions (_place_model)
+        if self.ranks.sharded:
             settings = dataclasses.asdict(swapper.config)
             settings["nvme"].pop("paths", None)  # each rank may have drives of its own
             settings["nvme"].pop("path_weights", None)  # and weigh them by their own speeds
             settings["trace"].pop("path", None)  # and a trace of its own
             settings.pop("origin", None)  # where the config came from, which names the paths too
-            ranks.check_same("the config", repr(settings))
-            ranks.check_same("the model's parameters (names, shapes, dtypes)",
-                             repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]))
-        except BaseException:
-            swapper.close()
-            raise
-    handle: OffloadHandle | None = None
-    patched: dict[str, Any] = {}
-    state_hooks: list[Any] = []
-    own_load: Any = None
-    zero_grads: dict[nn.Module, Any] | None = None
-    allocator = ExitStack()
-    try:
-        # before the model is placed, so the compute's tensors from the first step on use it (tiermem/cpu_allocator.py)
-        allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
-        runtime = _place_model(model, swapper, checkpoint, prefetch, optimizer, init_missing, init_seed, ranks)
-        handle = OffloadHandle(model, swapper, runtime)  # from here on, exit restores the parameters
-        handle.ranks = ranks
-        handle.activations_why, handle.weights_why = activations_why, weights_why
-        for mod in model.modules():  # every submodule too: none of them may enter another context
-            setattr(mod, _ATTR, handle)
+            self.ranks.check_same("the config", repr(settings))
+            self.ranks.check_same("the model's parameters (names, shapes, dtypes)",
+                                  repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]))
+        self.allocator.enter_context(cpu_allocator(swapper.config.memory.cpu_allocator))
+
+    def place(self, checkpoint: str | os.PathLike[str] | None, prefetch: bool,
+              init_missing: str | Sequence[str] | None, init_seed: int | None) -> OffloadHandle:
+        """The model's parameters into their units' partitions, and the handle: from here on, leaving gives
+        the parameters back."""
+        assert self.swapper is not None
+        runtime = _place_model(self.model, self.swapper, checkpoint, prefetch, self.optimizer, init_missing,
+                               init_seed, self.ranks)
+        handle = self.handle = OffloadHandle(self.model, self.swapper, runtime)
+        handle.ranks = self.ranks
+        handle.activations_why, handle.weights_why = self.whys
         handle._unit_of = {id(p): u.index for u in runtime.units for _, p in u.params}
-        for mod in model.modules():  # a copy of one holding a placeholder would hold no value
-            if any(id(p) in handle._unit_of for p in mod.parameters()):
+        return handle
+
+    def attach(self) -> None:
+        """Mark the model's modules (none may enter another context), refuse copies and conversions of those
+        holding placeholders, route state_dict, load_state_dict and zero_grad through the tiers, make the
+        optimizer the tiers' ([Note: torch's loop helpers inside the context]), register the runtime's hooks,
+        and say what went where."""
+        handle, model, optimizer = self.handle, self.model, self.optimizer
+        assert handle is not None
+        runtime = handle.runtime
+        for mod in model.modules():
+            setattr(mod, _ATTR, handle)
+            if any(id(p) in handle._unit_of for p in mod.parameters()):  # a copy of one would hold no value
                 mod.__dict__["__deepcopy__"] = _refuse_deepcopy  # copy.deepcopy() looks on the instance first
                 mod.__dict__["_apply"] = functools.partial(_guarded_apply, handle, mod)
         owners = {id(m): m for m in model.modules() for p in m._parameters.values() if p is not None
                   and id(p) in handle._unit_of}
         for m in owners.values():  # (partials: torch marks a state_dict hook with an attribute)
-            state_hooks += [m.register_state_dict_post_hook(functools.partial(OffloadHandle._state_dict_hook, handle)),
-                            m.register_load_state_dict_pre_hook(handle._load_state_dict_pre_hook),
-                            m.register_load_state_dict_post_hook(handle._load_state_dict_post_hook)]
-        own_load = model.__dict__.get("load_state_dict")
-        model.load_state_dict = functools.partial(_load_state_dict, handle, own_load)  # type: ignore[method-assign]
+            self.state_hooks += [
+                m.register_state_dict_post_hook(functools.partial(OffloadHandle._state_dict_hook, handle)),
+                m.register_load_state_dict_pre_hook(handle._load_state_dict_pre_hook),
+                m.register_load_state_dict_post_hook(handle._load_state_dict_post_hook)]
+        self.own_load = model.__dict__.get("load_state_dict")
+        model.load_state_dict = functools.partial(_load_state_dict, handle, self.own_load)  # type: ignore[method-assign]
         if optimizer is not None:
-            override = dtype_of(swapper.config.params.dtype)
-            handle.optimizer = TieredOptimizer(optimizer, runtime.units, swapper,
+            override = dtype_of(handle.config.params.dtype)
+            handle.optimizer = TieredOptimizer(optimizer, runtime.units, handle.swapper,
                                                mixed=override not in (None, torch.float32),
                                                loss_scaling=override is torch.float16,
                                                on_record=runtime.prefetch_pending, model_order=model.parameters())
             runtime.optimizer = handle.optimizer
-            patched = _delegate(optimizer, handle.optimizer)
-            zero_grads = _delegate_zero_grad(handle)
+            self.patched = _delegate(optimizer, handle.optimizer)
+            self.zero_grads = _delegate_zero_grad(handle)
         loop_helpers.enter(handle)  # see [Note: torch's loop helpers inside the context]
         runtime.register_hooks()
         handle.reset_stats()
@@ -647,72 +705,100 @@ def tiered_offload(model: nn.Module, config: Config | Mapping[str, Any] | str | 
                         "returns, for a cache that training never reads; set model.config.use_cache = False to "
                         "train in less memory", type(model).__name__)
         handle.plan = _plan(handle)
-        (plan_log.info if ranks.rank == 0 else log.debug)("tiered_offload plan: %s", handle.plan_summary())
-        if config.trace.path is not None:
-            handle._set_tracer(Tracer(config.to_dict()))  # written when the context ends
+        (plan_log.info if self.ranks.rank == 0 else log.debug)("tiered_offload plan: %s", handle.plan_summary())
+        if handle.config.trace.path is not None:
+            handle._set_tracer(Tracer(handle.config.to_dict()))  # written when the context ends
+
+    def left_on(self, exc: BaseException) -> BaseException:
+        """The with-block raised `exc`: note it, tell the other ranks (their waits end with it named), and
+        return what to raise: `exc`, or an error naming a parameter read without being fetched."""
+        self.raised = True
+        unfetched = None
+        if self.handle is not None:
+            self.handle.left_on = exc
+            unfetched = _read_unfetched(self.handle, exc)
+        if self.ranks.sharded:
+            self.ranks.announce(unfetched or exc)
+        if unfetched is not None:
+            unfetched.__cause__, unfetched.__suppress_context__ = exc, True  # as `raise unfetched from exc`
+            return unfetched
+        return exc
+
+    # -- out --------------------------------------------------------------------------------------------
+    def leave(self) -> None:
+        """Out of the context, whatever happened in it: each step runs whatever the one before raised."""
         try:
-            yield handle
-        except BaseException as exc:
-            raised = True
-            handle.left_on = exc
-            unfetched = _read_unfetched(handle, exc)
-            if ranks.sharded:
-                ranks.announce(unfetched or exc)  # the others, waiting in a collective, end with this named
-            if unfetched is not None:
-                raise unfetched from exc  # (the finally below gives the model back, as for any error)
-            raise
-    finally:
-        try:
-            if handle is not None:
+            if self.handle is not None:
                 with deferred_interrupts():  # a second Ctrl-C must not leave the model half given back
-                    unapplied = _apply_recorded_updates(handle)
-                    handle.runtime.remove_hooks()
-                    _undelegate(optimizer, patched)
-                    kept_state = None
-                    if (restore_optimizer and handle.optimizer is not None and optimizer is not None
-                            and not (raised and ranks.sharded)):  # gathering it needs every rank
-                        # read from its tiers now, loaded once the parameters are back: the original
-                        # optimizer casts state to its parameters' dtype, which params.dtype changes inside
-                        kept_state = handle.optimizer.state_dict()
-                    elif (handle.optimizer is not None and handle.optimizer.has_state()
-                          and not (raised and ranks.sharded)  # then rescued ([Note: rescue at several ranks])
-                          and (handle.saved is None or handle.saved[1] != handle.optimizer.progress())):
-                        log.warning("leaving tiered_offload: the optimizer state stays behind (it lives in "
-                                    "optimizer.tier and goes with the swap files); save it inside the context with "
-                                    "tm.save_checkpoint(dir), or pass restore_optimizer=True to copy it into the "
-                                    "optimizer on exit%s", f" (the last checkpoint, {handle.saved[0]}, is older)"
-                                    if handle.saved is not None else "")
+                    unapplied = _apply_recorded_updates(self.handle)
                     try:
-                        _unpack(handle, restore, raised)
+                        self.detach()
                     finally:
-                        if kept_state is not None and optimizer is not None:
-                            optimizer.load_state_dict(kept_state)  # training goes on outside
-                    _write_trace(handle, raised)
-                    if unapplied is not None and not raised:
-                        raise unapplied
+                        self.give_back(unapplied)
         finally:
-            if handle is not None:
-                loop_helpers.leave(handle)
-                if zero_grads is not None:
-                    _undelegate_zero_grad(model, zero_grads)
-                for hook in state_hooks:
-                    hook.remove()
-                model.__dict__.pop("load_state_dict", None)
-                if own_load is not None:
-                    model.load_state_dict = own_load  # type: ignore[method-assign]
-                handle.closed = True
-                for mod in model.modules():
-                    if getattr(mod, _ATTR, None) is handle:
-                        delattr(mod, _ATTR)
-                    if mod.__dict__.get("__deepcopy__") is _refuse_deepcopy:
-                        del mod.__dict__["__deepcopy__"]
-                    guard = mod.__dict__.get("_apply")
-                    if isinstance(guard, functools.partial) and guard.func is _guarded_apply:
-                        del mod.__dict__["_apply"]
-            try:
-                swapper.close()
-            finally:
-                allocator.close()
+            self.close()
+
+    def detach(self) -> None:
+        """Undo `attach`: the runtime's hooks, the optimizer's and the modules' methods, the loop helpers, the
+        state_dict hooks, the marks and guards; the handle is closed."""
+        handle, model = self.handle, self.model
+        assert handle is not None
+        try:
+            handle.runtime.remove_hooks()
+            _undelegate(self.optimizer, self.patched)
+            loop_helpers.leave(handle)
+            if self.zero_grads is not None:
+                _undelegate_zero_grad(model, self.zero_grads)
+            for hook in self.state_hooks:
+                hook.remove()
+            model.__dict__.pop("load_state_dict", None)
+            if self.own_load is not None:
+                model.load_state_dict = self.own_load  # type: ignore[method-assign]
+        finally:
+            handle.closed = True
+            for mod in model.modules():
+                if getattr(mod, _ATTR, None) is handle:
+                    delattr(mod, _ATTR)
+                if mod.__dict__.get("__deepcopy__") is _refuse_deepcopy:
+                    del mod.__dict__["__deepcopy__"]
+                guard = mod.__dict__.get("_apply")
+                if isinstance(guard, functools.partial) and guard.func is _guarded_apply:
+                    del mod.__dict__["_apply"]
+
+    def give_back(self, unapplied: Exception | None) -> None:
+        """Undo `place`: the optimizer's state copied out when asked (else a warning if it stays behind), the
+        parameters given back (or, after an error under several ranks, each rank's share rescued), the trace
+        written; then an update that could not be applied is raised."""
+        handle, optimizer = self.handle, self.optimizer
+        assert handle is not None
+        kept_state = None
+        gathers = not (self.raised and self.ranks.sharded)  # gathering needs every rank
+        if self.restore_optimizer and handle.optimizer is not None and optimizer is not None and gathers:
+            # read from its tiers now, loaded once the parameters are back: the original optimizer casts state
+            # to its parameters' dtype, which params.dtype changes inside
+            kept_state = handle.optimizer.state_dict()
+        elif (handle.optimizer is not None and handle.optimizer.has_state() and gathers  # else rescued
+              and (handle.saved is None or handle.saved[1] != handle.optimizer.progress())):
+            log.warning("leaving tiered_offload: the optimizer state stays behind (it lives in optimizer.tier and "
+                        "goes with the swap files); save it inside the context with tm.save_checkpoint(dir), or "
+                        "pass restore_optimizer=True to copy it into the optimizer on exit%s",
+                        f" (the last checkpoint, {handle.saved[0]}, is older)" if handle.saved is not None else "")
+        try:
+            _unpack(handle, self.restore, self.raised)
+        finally:
+            if kept_state is not None and optimizer is not None:
+                optimizer.load_state_dict(kept_state)  # training goes on outside
+        _write_trace(handle, self.raised)
+        if unapplied is not None and not self.raised:
+            raise unapplied
+
+    def close(self) -> None:
+        """Undo `open`: the swap, then the CPU allocator."""
+        try:
+            if self.swapper is not None:
+                self.swapper.close()
+        finally:
+            self.allocator.close()
 
 
 # -- entry ------------------------------------------------------------------------------------------
