@@ -28,7 +28,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from tiermem.runtime.unit import Unit
 from tiermem.sizes import format_size
 from tiermem.swap import Partition, TensorSwapper, Tier
 from tiermem.trace import Tracer
+
+if TYPE_CHECKING:  # the optimizer imports the runtime's units: typed here, imported only for the check
+    from tiermem.optim.optimizer import TieredOptimizer
 
 log = logging.getLogger(__name__)
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])  # a hook torch.compiler.disable wraps, as it was
@@ -87,7 +90,7 @@ class Runtime:
         self._entered_at: dict[int, int] = {}  # unit -> the swapper's clock when it was last entered
         self.pass_clock = 0  # the swapper's clock when the model's forward last began
         self._param_unit = {id(p): (u.index, fqn) for u in units for fqn, p in u.params}  # id -> (unit, FQN)
-        self.optimizer: Any = None  # the TieredOptimizer that takes gradients, when training
+        self.optimizer: TieredOptimizer | None = None  # what takes the gradients, when training
         self._saved_hooks: Any = None  # the saved_tensors_hooks context, entered for the context's life
         self._bwd_held: set[int] = set()  # units acquired by the backward in progress
         self._brief_done: list[int] = []  # brief backward holds that ended (appended by finalizers, any thread)
@@ -152,6 +155,8 @@ class Runtime:
         update is not recorded yet is needed then only when `step()` is expected (see [Note: the state
         before step()])."""
         opt = self.optimizer
+        if opt is None:
+            return -1
         u = opt.part_unit.get(id(part), -1) if opt.lazy else -1
         if u < 0 or u in opt.pending:
             return u
@@ -747,7 +752,7 @@ class Runtime:
         for j in window:
             part = self.units[j].partition
             extra = self.optimizer.pending_parts(j) if self.optimizer is not None else []
-            if not extra and j in coming:
+            if not extra and j in coming and self.optimizer is not None:
                 extra = self.optimizer.coming_parts(j)
             to = Tier.HOST if extra else tier  # its update comes first, on the host (see [Note: lazy update])
             # A unit's recorded update needs its state, gradients and parameters at once: its state is read
