@@ -45,6 +45,7 @@ from tiermem.trace import Tracer
 
 if TYPE_CHECKING:  # the optimizer imports the runtime's units: typed here, imported only for the check
     from tiermem.optim.optimizer import TieredOptimizer
+    from tiermem.runtime.kv_cache import KVStore
 
 log = logging.getLogger(__name__)
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])  # a hook torch.compiler.disable wraps, as it was
@@ -103,7 +104,7 @@ class Runtime:
         self._backwards_per_step = 0  # how many ended before that step (0: none recorded yet)
         self._distance: tuple[int, dict[int, int]] = (-1, {})  # (cursor, unit -> acquisitions until next use)
         self.activations: ActivationStore | None = None  # saved activations on NVMe (activations.tier)
-        self.kv: Any = None  # the tiered KV cache's blocks (kv.tier other than memory), see kv_cache.py
+        self.kv: KVStore | None = None  # the tiered KV cache's blocks (kv.tier other than memory), see kv_cache.py
         # (module, name, device, dtype) of each buffer moved at entry, to give it back in
         self.moved_buffers: list[tuple[nn.Module, str, torch.device, torch.dtype]] = []
         self.checkpoint_bytes_read = 0  # what entry read from checkpoint= (with several ranks, this rank's chunks)
