@@ -9,6 +9,7 @@ import queue
 import threading
 
 from tiermem.errors import IOEngineError
+from tiermem.interrupts import deferred_interrupts
 from tiermem.io.engine import DEFAULT_BLOCK_SIZE, DEFAULT_QUEUE_DEPTH, OP_READ, RETRYABLE, Chunk, IOEngine
 
 log = logging.getLogger(__name__)
@@ -25,25 +26,31 @@ class ThreadEngine(IOEngine):
         super().__init__(block_size=block_size, queue_depth=queue_depth)
         self._queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()  # chunks waiting for a worker
         self._closing = threading.Lock()  # orders close() against callers queueing chunks
+        # the Thread objects, started or not; dropped only inside a deferred_interrupts block (see _join)
         self._workers = [
             threading.Thread(target=self._work, name=f"tiermem-io-{i}", daemon=True)
             for i in range(min(queue_depth, MAX_THREADS))
         ]
-        started = []
+        started = 0
         try:
-            for t in self._workers:
-                t.start()
-                started.append(t)
-        except BaseException:  # an interrupt (or no more threads) midway: stop the ones that run, then fail
-            for _ in started:
-                self._queue.put(None)
-            for t in started:
-                t.join()
-            self.closed = True
+            # Thread.start returns only once its thread runs: an interrupt landing in it would leave a worker
+            # running but not counted, and one stop mark short (a join waiting forever), so none lands there
+            # (by index: a local naming a Thread would outlive _join in the traceback, and drop it unguarded)
+            with deferred_interrupts():
+                while started < len(self._workers):
+                    self._workers[started].start()
+                    started += 1
+        except BaseException:  # an interrupt (delivered at the block's end) or no more threads: stop them, fail
+            with deferred_interrupts():
+                self.closed = True
+                self._mark_stop()
+            self._join(started)
             raise
 
     def _submit(self, chunks: list[Chunk]) -> None:
-        with self._closing:  # never behind the workers' stop marks: that chunk would wait forever
+        # all of a request's chunks or none (a future missing one never completes), and never behind the
+        # workers' stop marks: that chunk would wait forever
+        with deferred_interrupts(), self._closing:
             if self.closed:
                 raise IOEngineError("the threads engine is closed")
             for chunk in chunks:
@@ -72,14 +79,30 @@ class ThreadEngine(IOEngine):
         return _serve(chunk)
 
     def close(self) -> None:
-        with self._closing:
-            if self.closed:
-                return
-            self.closed = True
-            for _ in self._workers:
-                self._queue.put(None)
-        for t in self._workers:
-            t.join()
+        with deferred_interrupts():  # closed and every worker marked to stop, or neither
+            with self._closing:
+                if self.closed:
+                    return
+                self.closed = True
+            self._mark_stop()
+        self._join(len(self._workers))
+
+    def _mark_stop(self) -> None:
+        # one mark each, started or not (the marks no worker takes go with the queue); counted, not iterated:
+        # a loop variable would hold the last Thread object past _join's block
+        for _ in range(len(self._workers)):
+            self._queue.put(None)
+
+    def _join(self, started: int) -> None:
+        """Wait for the first `started` workers (those running) to end, and let every Thread object go."""
+        try:
+            for i in range(started):
+                self._workers[i].join()
+        finally:
+            # The last references to the Thread objects: their death runs `threading`'s WeakSet callback,
+            # where a signal's exception would be dropped ([Note: interrupts]); inside the block it is delivered
+            with deferred_interrupts():
+                self._workers = []
 
 
 def _serve(chunk: Chunk) -> BaseException | None:

@@ -27,6 +27,7 @@ import logging
 import threading
 
 from tiermem.errors import IOEngineError
+from tiermem.interrupts import deferred_interrupts
 from tiermem.io import _native
 from tiermem.io.buffers import ALIGN
 from tiermem.io.engine import (
@@ -65,8 +66,15 @@ class UringEngine(IOEngine):
         # held across the closed check and each call into the core by a caller, so that close() cannot
         # free the core under a caller that is about to queue work
         self._calls = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="tiermem-uring", daemon=True)
-        self._thread.start()
+        # the ring's thread; let go by close() inside a deferred_interrupts block, as ThreadEngine._join says why
+        self._thread: threading.Thread | None = threading.Thread(target=self._loop, name="tiermem-uring",
+                                                                 daemon=True)
+        try:
+            with deferred_interrupts():  # no interrupt inside start(), where the thread runs but is not known
+                self._thread.start()
+        except BaseException:  # an interrupt (at the block's end) or no more threads: stop the loop, free the ring
+            self.close()
+            raise
 
     @property
     def submits(self) -> int:
@@ -81,17 +89,20 @@ class UringEngine(IOEngine):
     def _start(self, op: int, view: memoryview, address: int, pieces: list[Piece]) -> IOFuture:
         future = IOFuture(sum(p.length for p in pieces), 1, keepalive=view)
         uid = next(self._ids)
-        self._live[uid] = (future, pieces, op)
         xfers = [(address + p.buf_offset, p.offset, p.length, p.file.fd, p.file.buffered_fd,
                   ALIGN if p.file.direct else 0) for p in pieces]
-        try:
-            with self._calls:
-                if self.closed:
-                    raise OSError(errno.ESHUTDOWN, "the io_uring engine is closed", pieces[0].file.path)
-                self._core.enqueue(uid, op, xfers, pieces[0].file.path)
-        except BaseException:
-            self._live.pop(uid, None)
-            raise
+        # listed and queued, or neither: an interrupt after the enqueue must not unlist a request the loop
+        # will finish (it found no entry, and stopped), so it is delivered after the block
+        with deferred_interrupts():
+            self._live[uid] = (future, pieces, op)
+            try:
+                with self._calls:
+                    if self.closed:
+                        raise OSError(errno.ESHUTDOWN, "the io_uring engine is closed", pieces[0].file.path)
+                    self._core.enqueue(uid, op, xfers, pieces[0].file.path)
+            except BaseException:
+                self._live.pop(uid, None)
+                raise
         return future
 
     def register_buffers(self, regions: list[tuple[int, int]]) -> bool:
@@ -120,7 +131,8 @@ class UringEngine(IOEngine):
                 return box[0] if box else None
             self._core.kick(stop=False)
         while not done.wait(0.5):
-            if not self._thread.is_alive():
+            thread = self._thread
+            if thread is None or not thread.is_alive():
                 raise OSError(errno.ESHUTDOWN, "the io_uring loop has stopped")
         return box[0] if box else None
 
@@ -134,7 +146,10 @@ class UringEngine(IOEngine):
         if threading.current_thread() is self._thread:
             raise OSError(errno.EDEADLK, "close() was called from an I/O completion callback; close the engine "
                           "from another thread")
-        self._thread.join()
+        if self._thread is not None and self._thread.ident is not None:  # None: its start failed
+            self._thread.join()
+        with deferred_interrupts():  # the Thread object's death runs a weakref callback ([Note: interrupts])
+            self._thread = None
         self._core.close()
 
     # -- the loop's side -----------------------------------------------------------------------
