@@ -194,6 +194,10 @@ for n in range(1, stops + 1):
                     tm.optimizer.step()
             print("round", flush=True)
     except BaseException as exc:
+        # the loop goes on after a stop, as no real program does: a stop that lands inside torch's own
+        # `with torch.no_grad()` (an __exit__ cut short before it restores the mode) leaves grad mode off for
+        # the process, which is torch's and not the subject here
+        torch.set_grad_enabled(True)
         # the signal's exception, or the one it led to (an error of the library's cleanup it cut short, which
         # other tests pin): whether the signal was lost is the question here
         found = exc

@@ -50,7 +50,9 @@ _SOURCE = "tm_cpu_alloc.cpp"
 
 
 def _libc_function(name: str) -> Any:
-    """glibc's `name`, or None where there is no glibc (or no such function)."""
+    """glibc's `name`, or None where there is no glibc (or no such function). Looked up at import only:
+    find_library runs `ldconfig -p` in a child process, and a signal landing in that process object's
+    teardown would be dropped by Python (see [Note: interrupts] in tiermem/interrupts.py)."""
     lib = ctypes.util.find_library("c")
     if not lib:
         return None
@@ -61,6 +63,7 @@ def _libc_function(name: str) -> Any:
 
 
 _malloc_trim = _libc_function("malloc_trim")
+_mallopt_fn = _libc_function("mallopt")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 TRIM_THRESHOLD = 256 << 20
 MMAP_THRESHOLD = 32 << 20  # the most glibc's dynamic threshold reaches on 64-bit
@@ -72,7 +75,7 @@ _GLIBC_DEFAULT = 128 << 10
 
 
 def _mallopt(settings: tuple[tuple[int, int], ...]) -> None:
-    mallopt = _libc_function("mallopt")
+    mallopt = _mallopt_fn
     if mallopt is None:
         return
     for param, value in settings:

@@ -736,7 +736,8 @@ class _Entry:
                     finally:
                         self.give_back(unapplied)
         finally:
-            self.close()
+            with deferred_interrupts():  # a Ctrl-C inside the swap's close would leave the engine's threads running
+                self.close()
 
     def detach(self) -> None:
         """Undo `attach`: the runtime's hooks, the optimizer's and the modules' methods, the loop helpers, the
