@@ -110,6 +110,16 @@ class Traffic:
         self.__dict__.update(Traffic().__dict__)
 
 
+def _where() -> str:
+    """This host and its process-id namespace: a process id means the same process only within both (two
+    containers of one host may share a host name)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = "pid:?"
+    return f"{socket.gethostname()}/{namespace}".replace(" ", "_")
+
+
 def _alive(pid: int) -> bool:
     """Whether process `pid` of this host still runs: not gone, and not a zombie waiting for its parent (a killed
     rank stays one until torchrun reaps it). A process still exiting gets a moment to finish."""
@@ -177,7 +187,7 @@ class Ranks:
         if self._store is None:
             return
         try:
-            self._store.set(f"{self.scope}/pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+            self._store.set(f"{self.scope}/pid/{self.rank}", f"{_where()} {os.getpid()}")
         except RuntimeError as err:
             log.debug("could not note rank %d's process in the store: %s", self.rank, err)
 
@@ -185,7 +195,7 @@ class Ranks:
         """(rank, process id) of the other ranks on this host whose process is gone (killed, out of memory);
         ranks on other hosts cannot be looked at from here."""
         gone = []
-        host = socket.gethostname()
+        host = _where()
         for r in range(self.world):
             key = f"{self.scope}/pid/{r}"
             try:
