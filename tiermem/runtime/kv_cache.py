@@ -118,7 +118,8 @@ class TieredLayer(CacheLayerMixin):
         self.device = torch.device("cpu")
         group.layers.add(self)
         store.layers.add(self)
-        weakref.finalize(self, store.dead.append, self.blocks)  # a dropped cache's blocks go back
+        ref = weakref.ref(self, store.dead.append)  # a dropped cache's blocks go back (a builtin callback: see
+        store.dying[id(ref)] = (ref, self.blocks)  # _brief_done in runtime.py)
 
     # -- transformers' cache layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -290,7 +291,10 @@ class KVStore:
         self.tier = cfg.tier
         self.block_tokens = cfg.block_tokens
         self.layers: weakref.WeakSet[TieredLayer] = weakref.WeakSet()  # every live tiered layer, freed at exit
-        self.dead: list[list[_Block]] = []  # blocks of layers the program dropped (appended by finalizers)
+        # layers the program dropped (their references, appended by the references' callbacks) and, by reference,
+        # the blocks of every layer alive
+        self.dead: list[weakref.ref[TieredLayer]] = []
+        self.dying: dict[int, tuple[weakref.ref[TieredLayer], list[_Block]]] = {}
         self._names = itertools.count()  # partition names kv.0, kv.1, ...
         self.active: _Group | None = None  # the cache updated last: the one whose blocks are prefetched
         self._deferred: list[int] | None = None  # a window whose blocks wait for a layer's update (see prefetch)
@@ -326,7 +330,7 @@ class KVStore:
     def collect(self) -> None:
         """Give back the blocks of the caches the program dropped."""
         while self.dead:
-            self.free(self.dead.pop())
+            self.free(self.dying.pop(id(self.dead.pop()))[1])
 
     def stats(self) -> dict[str, Any]:
         self.collect()

@@ -94,7 +94,11 @@ class Runtime:
         self.optimizer: TieredOptimizer | None = None  # what takes the gradients, when training
         self._saved_hooks: Any = None  # the saved_tensors_hooks context, entered for the context's life
         self._bwd_held: set[int] = set()  # units acquired by the backward in progress
-        self._brief_done: list[int] = []  # brief backward holds that ended (appended by finalizers, any thread)
+        # brief backward holds: the unit of each unpacked tensor by its weak reference, and the references whose
+        # tensor died (appended by the reference's callback, a builtin: no Python code runs in a teardown, where
+        # a signal's exception would be dropped; see [Note: interrupts] in tiermem/interrupts.py)
+        self._brief_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._brief_done: list[weakref.ref[torch.Tensor]] = []
         self._bwd_done: dict[int, int] = {}  # unit -> trainable parameters whose gradient arrived
         self._trainable_count: dict[int, int] = {}  # unit -> parameters that get gradients
         self._in_backward = False
@@ -114,7 +118,10 @@ class Runtime:
         self._charged: dict[int, int] = {}  # unit -> gathered bytes counted on the device's ledger
         self._expanded: dict[int, torch.Tensor] = {}  # unit -> the buffer its compressed weights expand into
         self._spare: dict[int, torch.Tensor] = {}  # size -> an expansion buffer kept for the next unit of it
-        self._freed: list[int] = []  # bytes of expansion buffers that died since the ledger last heard of it
+        # expansion buffers kept alive by views, by weak reference with their bytes, and those that died since
+        # the ledger last heard of it (appended by the references' callback, a builtin, as `_brief_done`)
+        self._freed_refs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._freed: list[weakref.ref[torch.Tensor]] = []
         self.tracer: Tracer | None = None  # see [Note: traces] in tiermem/trace.py
         self._bound_at: dict[int, float] = {}  # unit -> when it became usable (trace time)
         swapper.evict_by_next_use(self._next_use)
@@ -298,12 +305,14 @@ class Runtime:
         if saved.view is not None:
             size, stride, rel = saved.view
             p = p.as_strided(size, stride, p.storage_offset() + rel)
-        weakref.finalize(p, self._brief_done.append, i)
+        ref = weakref.ref(p, self._brief_done.append)
+        self._brief_refs[id(ref)] = (ref, i)
         return p
 
     def _end_brief_holds(self) -> None:
         while self._brief_done:
-            self.exit(self._brief_done.pop(), drop=self.optimizer is not None)
+            _, i = self._brief_refs.pop(id(self._brief_done.pop()))
+            self.exit(i, drop=self.optimizer is not None)
 
     def _start_backward(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -637,13 +646,14 @@ class Runtime:
         if buf.size(0) not in self._spare and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2:
             self._spare[buf.size(0)] = buf
         else:  # a view keeps it (and, through the view's _base, `buf`): counted until the last one goes
-            weakref.finalize(buf, self._freed.append, n)  # drained on this thread: see _note_freed
+            ref = weakref.ref(buf, self._freed.append)  # drained on this thread: see _note_freed
+            self._freed_refs[id(ref)] = (ref, n)
 
     def _note_freed(self) -> None:
         """Take the expansion buffers that died off the ledger (a finalizer may run inside the ledger's lock,
         at any allocation, so it only notes them)."""
         while self._freed:
-            self.swapper.ledger.sub("device", self._freed.pop())
+            self.swapper.ledger.sub("device", self._freed_refs.pop(id(self._freed.pop()))[1])
 
     def drop_spare(self) -> None:
         """Give back the expansion buffers kept for reuse (when the context ends)."""
