@@ -158,11 +158,11 @@ def _same(a: Any, b: Any, where: str = "state_dict") -> None:
 @pytest.mark.parametrize("tiers", sorted(TIERS))
 @pytest.mark.parametrize("name", sorted(PER_PARAMETER))
 def test_a_per_parameter_optimizer_equals_itself_in_memory(tmp_path, name: str, tiers: str) -> None:
-    """3 steps of 2 micro-batches, clipped, each parameter stepped with its own shape by the optimizer's own code
+    """2 steps of 2 micro-batches, clipped, each parameter stepped with its own shape by the optimizer's own code
     on views of the tiers: losses, clip norms, weights and its state_dict (its own format, every key, a step
     count's type included) bit-exact with the same loop in memory; state on NVMe or in host memory."""
     build, make = PER_PARAMETER[name]
-    data = batches(6)
+    data = batches(4)
     ref = build()
     ref_opt = make(ref)
     ref_norms: list[float] = []

@@ -573,7 +573,7 @@ def test_hf_trainer_under_torchrun_saves_checkpoints_and_resumes_as_ddp_in_memor
     run_ranks(_trainer_checkpoints_on_ranks, 2, tmp_path, timeout_s=120)
 
 
-def test_hf_trainer_resumes_under_the_shipped_config_as_if_never_stopped(tmp_path, compute_device) -> None:
+def test_hf_trainer_resumes_under_the_shipped_config_as_if_never_stopped(tmp_path) -> None:
     """configs/nvme.yaml (params.dtype bfloat16): a Trainer that saves at step 2 and a fresh model and context
     resuming from that checkpoint end with the weights of a run never stopped, bit for bit, and the checkpoint's
     weights are the float32 masters (before: the Trainer's own model.load_state_dict() of its resume raised

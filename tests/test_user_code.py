@@ -123,8 +123,7 @@ def test_a_conversion_inside_the_context_is_refused_and_the_model_is_intact(tmp_
     assert model.double().linear1.weight.dtype == torch.float64  # after exit, as ever
 
 
-@on_each_device
-def test_a_4bit_bitsandbytes_base_is_refused_by_name(tmp_path) -> None:
+def test_a_4bit_bitsandbytes_base_is_refused_by_name(tmp_path) -> None:  # refused at entry: on the CPU alone
     """A QLoRA base (transformers' load_in_4bit with bitsandbytes, PEFT LoRA on top) is refused naming the
     parameter, why and what to load instead (before: it trained and diverged from the same steps in memory
     at step 2, with no error); the model is left as it was."""
