@@ -47,20 +47,24 @@ ZERO2 = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"
 
 
 # HF Trainer's ds_config_zero3.json style: "auto" wherever the Trainer fills a value in from its arguments,
+# the HF Trainer's fp16 section ("auto", with DeepSpeed's loss-scaling keys) and ZeRO-3 offloads to the host, as
+# the two Trainer configs below both write them
+FP16_AUTO = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1}
+HOST_OFFLOADS = {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                 "offload_param": {"device": "cpu", "pin_memory": True},
+                 "overlap_comm": True, "contiguous_gradients": True}
+
 # the fp16 loss-scaling keys beside "enabled", both offloads to the host
 HF_ZERO3 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {**FP16_AUTO},
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                  "warmup_num_steps": "auto"}},
     "zero_optimization": {
         "stage": 3,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True,
-        "contiguous_gradients": True,
+        **HOST_OFFLOADS,
         "sub_group_size": 1e9,
         "reduce_bucket_size": "auto",
         "stage3_prefetch_bucket_size": "auto",
@@ -222,14 +226,10 @@ def test_a_value_that_is_neither_a_number_nor_auto_is_an_error_naming_its_key(ba
 # the host, no prefetching (stage3_prefetch_bucket_size 0, which DeepSpeed accepts), zero buckets, the old name
 # of the gather-on-save flag, and "auto" where the Trainer fills values in
 TRANSFORMERS_ZERO3 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {**FP16_AUTO},
     "zero_optimization": {
         "stage": 3,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True,
-        "contiguous_gradients": True,
+        **HOST_OFFLOADS,
         "sub_group_size": 1e14,
         "reduce_bucket_size": 0,
         "stage3_prefetch_bucket_size": 0,
